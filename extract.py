@@ -1,0 +1,17 @@
+"""Extract stage: regenerate responses with the served target and capture its aux hidden states."""
+
+import hydra
+
+import eagle3  # noqa: F401  (registers the config schema)
+from eagle3.cli import run_stage
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="extract")
+def main(cfg):
+    from eagle3.extract import run_extract
+
+    return run_stage(run_extract, cfg)
+
+
+if __name__ == "__main__":
+    main()
