@@ -83,6 +83,7 @@ class ModelConfig:
     vocab_size: Optional[int] = None
     aux_layer_ids: Optional[list[int]] = None  # HF output_hidden_states indices; None = [2, L//2, L-3]
     chat_template: Optional[str] = None  # path to a Jinja template; None = the tokenizer's
+    tokenizer: Optional[str] = None  # tokenizer folder/hub id; None = the source's
     trust_remote_code: bool = False
     revision: Optional[str] = None
     serve: ServeConfig = field(default_factory=ServeConfig)
