@@ -1,0 +1,122 @@
+"""Capture contract: shards, manifest, checksums, resume, reader."""
+
+import json
+
+import pytest
+import torch
+
+from eagle3.errors import Eagle3Error
+from eagle3.features import (
+    Capture,
+    FeatureDataset,
+    FeatureWriter,
+    Record,
+    bytes_per_token,
+    check_compatible,
+    estimate_bytes,
+    load_manifest,
+    samples_per_shard,
+)
+
+H, K = 8, 4
+
+
+def make_record(sid, T, split="train", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return Record(
+        sample_id=sid,
+        split=split,
+        input_ids=torch.randint(0, 100, (T,), generator=g, dtype=torch.int32),
+        loss_mask=(torch.arange(T) >= T // 2).to(torch.uint8),
+        capture=Capture(
+            aux_hidden_states=torch.randn(T, 3, H, generator=g).bfloat16(),
+            topk_ids=torch.randint(0, 100, (T, K), generator=g, dtype=torch.int32),
+            topk_logprobs=-torch.rand(T, K, generator=g),
+        ),
+    )
+
+
+PLAN = [(f"s{i}", "validation" if i == 4 else "train") for i in range(5)]
+META = {"target": {"content_hash": "abc", "hidden_size": H}, "aux_layer_ids": [2, 3, 4], "capture": {"top_k": K}}
+
+
+def write_all(d, plan=PLAN, meta=META, stop_after=None):
+    w = FeatureWriter.open(d, meta, plan, samples_per_shard=2, splits={"train": [], "test": ["t0"]})
+    for n, (idx, chunk) in enumerate(w.pending()):
+        if stop_after is not None and n == stop_after:
+            return w
+        recs = [make_record(sid, 5 + int(sid[1:]), split, seed=int(sid[1:])) for sid, split in chunk if sid != "s3"]
+        w.write_shard(idx, recs, dropped={"s3": "prompt longer than max_length"} if any(s == "s3" for s, _ in chunk) else {})
+    return w.finalize({"note": "x"})
+
+
+def test_bytes_estimate():
+    assert bytes_per_token(H, K) == 3 * H * 2 + K * 8 + 5
+    assert estimate_bytes(10, H, K) == 10 * bytes_per_token(H, K)
+    assert samples_per_shard(1, 100, 20, 100) == 1_000_000 // (100 * bytes_per_token(100, 20))
+
+
+def test_roundtrip_and_counts(tmp_path):
+    m = write_all(tmp_path)
+    assert m["complete"] and len(m["shards"]) == 3
+    assert m["counts"]["samples"] == 4 and m["counts"]["dropped"] == 1
+    assert m["counts"]["tokens"] == sum(5 + i for i in (0, 1, 2, 4))
+    assert m["counts"]["masked_tokens"] == sum((5 + i) - (5 + i) // 2 for i in (0, 1, 2, 4))
+    ds = FeatureDataset(tmp_path, splits=("train",))
+    assert ds.sample_ids == ["s0", "s1", "s2"] and ds.lengths == [5, 6, 7]
+    ref = make_record("s2", 7, seed=2).tensors()
+    got = ds[2]
+    for k, v in ref.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+    val = FeatureDataset(tmp_path, splits=("validation",))
+    assert val.sample_ids == ["s4"] and torch.equal(val[0]["input_ids"], make_record("s4", 9, seed=4).input_ids)
+
+
+def test_resume_equals_uninterrupted_and_redoes_corrupt_shard(tmp_path):
+    full = write_all(tmp_path / "full")
+    write_all(tmp_path / "part", stop_after=1)  # killed after its first shard
+    assert not load_manifest(tmp_path / "part", require_complete=False)["complete"]
+    with pytest.raises(Eagle3Error, match="did not finish"):
+        FeatureDataset(tmp_path / "part")
+    resumed = write_all(tmp_path / "part")
+    assert json.dumps(resumed["shards"]) == json.dumps(full["shards"])
+    # corrupt a shard: reopening reports and re-does it; the reader refuses it meanwhile
+    f = tmp_path / "part" / resumed["shards"][1]["file"]
+    f.write_bytes(f.read_bytes()[:-3] + b"xyz")
+    with pytest.raises(Eagle3Error, match="sha256"):
+        FeatureDataset(tmp_path / "part")
+    w = FeatureWriter.open(tmp_path / "part", META, PLAN, samples_per_shard=2)
+    assert [i for i, _ in w.pending()] == [1]
+    again = write_all(tmp_path / "part")
+    assert json.dumps(again["shards"]) == json.dumps(full["shards"])
+
+
+def test_refuses_other_settings_and_bad_records(tmp_path):
+    write_all(tmp_path, stop_after=1)
+    with pytest.raises(Eagle3Error, match="aux_layer_ids"):
+        FeatureWriter.open(tmp_path, {**META, "aux_layer_ids": [1, 2, 3]}, PLAN, 2)
+    with pytest.raises(Eagle3Error, match="data.limit"):
+        FeatureWriter.open(tmp_path, META, PLAN[:3], 2)
+    w = FeatureWriter.open(tmp_path, META, PLAN, 2)
+    with pytest.raises(Eagle3Error, match="do not match"):
+        w.write_shard(1, [make_record("s3", 4)], {})
+    bad = make_record("s2", 5)
+    bad.capture.aux_hidden_states = torch.zeros(5, 2, H)
+    with pytest.raises(Eagle3Error, match=r"\[5, 3, H\]"):
+        w.write_shard(1, [bad], {"s3": "x"})
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_missing_folder_and_incompatible(tmp_path):
+    with pytest.raises(Eagle3Error, match="does not exist"):
+        FeatureDataset(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(Eagle3Error, match="no manifest.json"):
+        FeatureDataset(tmp_path / "empty")
+    a = write_all(tmp_path / "a")
+    b = write_all(tmp_path / "b", meta={**META, "target": {"content_hash": "zzz", "hidden_size": H}})
+    with pytest.raises(Eagle3Error, match="target.content_hash"):
+        check_compatible([a, b], ["a", "b"])
+    with pytest.raises(Eagle3Error, match="content_hash"):
+        FeatureDataset([tmp_path / "a", tmp_path / "b"])
+    assert len(FeatureDataset([tmp_path / "a", tmp_path / "a"])) == 6
