@@ -109,6 +109,9 @@ class SGLangEngineConfig:
     With neither ``url`` nor ``urls`` set, the engine launches
     ``python -m sglang.launch_server`` with flags rendered from the model's
     ``serve`` settings and the fields below, and waits on ``/health``.
+    Extraction needs servers in capture mode (see docs/sglang.md); evaluation uses
+    ``baseline_url`` (no drafter) and ``speculative_url`` (serving the drafter), or
+    launches each in turn when they are not set.
     """
 
     name: str = "sglang"
@@ -121,7 +124,12 @@ class SGLangEngineConfig:
     request_timeout_s: float = 600.0
     max_retries: int = 5
     backoff_s: float = 2.0
-    concurrency: int = 32
+    concurrency: int = 32  # generation requests in flight per server
+    capture_concurrency: int = 4  # capture requests in flight per server (large JSON answers)
+    health_poll_s: float = 5.0
+    connect_timeout_s: float = 30.0  # how long a configured server may take to answer /health
+    baseline_url: Optional[str] = None  # evaluation: server without a drafter
+    speculative_url: Optional[str] = None  # evaluation: server serving the drafter
     max_running_requests: int = 128
     cuda_graph_max_bs: int = 128
     chunked_prefill_size: int = -1
