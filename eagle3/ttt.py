@@ -1,0 +1,370 @@
+"""Training-time test (TTT): unrolled drafting, its loss and its metrics.
+
+Indexing (one sample of length ``T``; position ``p`` of a capture holds the target's
+state at token ``p`` and its distribution of token ``p+1``, see docs/design.md):
+
+* Row ``r`` of step ``j`` is the ``j``-th draft step of a chain that starts after
+  token ``r``: its input token is ``x[r+1+j]``, its position ``r+j``, its hidden input
+  the target's fused aux states at ``r`` (``j = 0``) or the drafter's own output of
+  step ``j-1`` at row ``r`` (``j > 0``).
+* It predicts token ``x[r+2+j]``; the target distribution is the stored top-k at
+  position ``p = r+1+j``. The row carries loss iff ``r+2+j < T``,
+  ``loss_mask[r+2+j] == 1`` (the label is a token the target generated: the loss
+  mask shifted together with the labels) and the target's argmax at ``p`` lies in the
+  draft vocabulary.
+* Attention: step ``j`` at row ``r`` sees the step-0 keys of rows ``0..r`` (the
+  target-feature cache of the prefix) and the keys of steps ``1..j`` at row ``r``
+  only (its own chain), exactly what drafting after token ``r`` sees at serving
+  time. The keys of all steps are concatenated (``S = (j+1)*T``) and one explicit
+  bool mask per step selects them (the formulation of SpecForge / speculators).
+
+Loss (EAGLE-3; float32 whatever the autocast dtype): forward KL from the target's
+top-k distribution, restricted to the draft vocabulary and renormalised, to the
+drafter's log-softmax, averaged over the step's loss rows, weighted
+``step_weight**j`` and summed over steps.
+
+Metrics per step ``j``: mean KL, top-1 agreement of the drafter's argmax with the
+target's argmax on the loss rows; and the simulated acceptance length of a chain of
+``ttt_steps`` drafts: ``tau = 1 + mean_r sum_j prod_{i<=j} correct_i[r]`` over chain
+starts ``r`` whose first label is a generated token (an out-of-vocabulary or
+unmasked step ends the chain).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from eagle3.drafter import Eagle3Drafter
+
+
+# ------------------------------------------------------------------ pure helpers
+def step_input_ids(input_ids: torch.Tensor, step: int) -> torch.Tensor:
+    """``[B, T]`` -> ``[B, T]``: row ``r`` holds ``x[r+1+step]`` (0 past the end)."""
+    s = step + 1
+    out = torch.zeros_like(input_ids)
+    if s < input_ids.shape[1]:
+        out[:, : input_ids.shape[1] - s] = input_ids[:, s:]
+    return out
+
+
+def ttt_attention_mask(T: int, step: int, device: torch.device | str = "cpu") -> torch.Tensor | None:
+    """Attention of step ``step`` over the keys of steps ``0..step`` concatenated.
+
+    Returns ``None`` for step 0 (plain causal), else ``[1, 1, T, (step+1)*T]`` bool
+    (True = attend): causal over block 0, the diagonal of blocks ``1..step``.
+    """
+    if step == 0:
+        return None
+    blocks = [torch.ones(T, T, dtype=torch.bool, device=device).tril()]
+    eye = torch.eye(T, dtype=torch.bool, device=device)
+    blocks += [eye] * step
+    return torch.cat(blocks, dim=1)[None, None]
+
+
+def target_to_draft_index(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[V]`` int64: the draft id of each target id, ``-1`` outside the draft vocabulary."""
+    idx = torch.full((vocab_size,), -1, dtype=torch.int64, device=d2t.device)
+    n = d2t.shape[0]
+    idx[torch.arange(n, device=d2t.device) + d2t] = torch.arange(n, device=d2t.device)
+    return idx
+
+
+def target_distribution(
+    topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, t2d_index: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target top-k restricted to the draft vocabulary and renormalised.
+
+    Args:
+        topk_ids: ``[N, k]`` int target ids; topk_logprobs ``[N, k]`` float log-probs
+            (full-vocabulary log-softmax; ``-inf`` allowed).
+        t2d_index: ``[V]`` from :func:`target_to_draft_index`.
+
+    Returns:
+        ``(draft_ids [N, k] int64, q [N, k] float32)``: entries outside the draft
+        vocabulary get id 0 and ``q = 0``; rows with no entry inside sum to 0.
+    """
+    d = t2d_index[topk_ids.long()]
+    inside = (d >= 0) & torch.isfinite(topk_logprobs)
+    lp = topk_logprobs.float().masked_fill(~inside, float("-inf"))
+    m = lp.max(dim=-1, keepdim=True).values
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = torch.exp(lp - m)
+    q = w / w.sum(-1, keepdim=True).clamp_min(1e-30)
+    return d.clamp_min(0), q
+
+
+def chain_acceptance(hits: Sequence[torch.Tensor], chain_starts: torch.Tensor) -> torch.Tensor:
+    """Accepted draft steps per chain: ``sum_j prod_{i<=j} hits[i]`` where a chain starts.
+
+    Args:
+        hits: per step ``[R]`` bool, the drafter's argmax equals the target's.
+        chain_starts: ``[R]`` bool, rows whose first label is a generated token.
+
+    Returns:
+        ``[R]`` float32 (0 outside chain starts); the simulated tau is
+        ``1 + accepted[chain_starts].mean()``.
+    """
+    run = chain_starts.clone()
+    accepted = torch.zeros(chain_starts.shape, dtype=torch.float32, device=chain_starts.device)
+    for h in hits:
+        run &= h
+        accepted += run
+    return accepted
+
+
+def kl_loss(logits: torch.Tensor, draft_ids: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Forward KL ``sum_k q_k (log q_k - log p_k)`` per row, in float32.
+
+    Args:
+        logits: ``[N, Vd]`` drafter logits (any float dtype; upcast before log-softmax).
+        draft_ids: ``[N, k]`` int64 draft ids of the target's top-k.
+        q: ``[N, k]`` target probabilities over those ids (rows sum to 1).
+
+    Returns:
+        ``[N]`` float32.
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, draft_ids)  # [N, k]
+    q = q.float()
+    logq = torch.where(q > 0, q.clamp_min(1e-38).log(), torch.zeros_like(q))
+    return (q * (logq - logp)).sum(-1)
+
+
+# ------------------------------------------------------------------- batching
+class TTTCollator:
+    """DataLoader ``collate_fn``: records -> one right-padded TTT batch.
+
+    Everything that depends only on the data (loss rows of every step, the target
+    distributions on them, chain starts) is computed here on the CPU, so the device
+    never has to wait for index computations.
+
+    Args:
+        t2d_index: ``[V]`` CPU int64 from :func:`target_to_draft_index`.
+        ttt_steps: number of TTT steps ``J``.
+        max_length: samples are cut to this many tokens.
+
+    The returned dict has ``input_ids [B, T]`` int64, ``aux_hidden_states
+    [B, T, 3*H]`` bf16, ``lengths [B]``, per step ``rows`` (list of ``[N_j]`` flat row
+    indices ``b*T + r``), ``target_ids`` (``[N_j, k]`` draft ids), ``target_q``
+    (``[N_j, k]`` float32), ``chain_starts [B*T]`` bool, and counts ``num_tokens``,
+    ``num_chains``, ``skipped_nonfinite``, ``sample_ids``.
+    """
+
+    def __init__(self, t2d_index: torch.Tensor, ttt_steps: int, max_length: int):
+        self.t2d_index = t2d_index.cpu()
+        self.ttt_steps = int(ttt_steps)
+        self.max_length = int(max_length)
+
+    @staticmethod
+    def is_finite(sample: dict) -> bool:
+        """False when the aux states hold NaN/Inf or the log-probs NaN/+Inf."""
+        lp = sample["topk_logprobs"]
+        return bool(torch.isfinite(sample["aux_hidden_states"]).all()) and not bool(
+            (torch.isnan(lp) | (lp == float("inf"))).any()
+        )
+
+    def __call__(self, samples: Sequence[dict]) -> dict[str, Any]:
+        good = [s for s in samples if self.is_finite(s)]
+        skipped = len(samples) - len(good)
+        L = [min(int(s["input_ids"].shape[0]), self.max_length) for s in good]
+        B, T = len(good), max(L, default=0)
+        J = self.ttt_steps
+        H3 = good[0]["aux_hidden_states"].shape[1] * good[0]["aux_hidden_states"].shape[2] if good else 0
+        input_ids = torch.zeros(B, T, dtype=torch.int64)
+        aux = torch.zeros(B, T, H3, dtype=torch.bfloat16)
+        rows = [[] for _ in range(J)]
+        tids = [[] for _ in range(J)]
+        tlps = [[] for _ in range(J)]
+        chain = torch.zeros(B * T, dtype=torch.bool)
+        for b, (s, n) in enumerate(zip(good, L)):
+            ids = s["input_ids"][:n].long()
+            input_ids[b, :n] = ids
+            aux[b, :n] = s["aux_hidden_states"][:n].reshape(n, -1)
+            mask = s["loss_mask"][:n].bool()
+            top_ids = s["topk_ids"][:n].long()
+            top_lp = s["topk_logprobs"][:n]
+            in_vocab = self.t2d_index[top_ids[:, 0]] >= 0  # [n] target argmax at p is proposable
+            for j in range(J):
+                R = n - 2 - j  # rows 0..R-1 have a label x[r+2+j]
+                if R <= 0:
+                    continue
+                r = torch.arange(R)
+                label = mask[r + 2 + j]
+                if j == 0:
+                    chain[b * T + r[label]] = True
+                keep = label & in_vocab[r + 1 + j]
+                r = r[keep]
+                rows[j].append(b * T + r)
+                tids[j].append(top_ids[r + 1 + j])
+                tlps[j].append(top_lp[r + 1 + j])
+        k = good[0]["topk_ids"].shape[1] if good else 1
+        out_rows, out_ids, out_q = [], [], []
+        for j in range(J):
+            rj = torch.cat(rows[j]) if rows[j] else torch.zeros(0, dtype=torch.int64)
+            ij = torch.cat(tids[j]) if tids[j] else torch.zeros(0, k, dtype=torch.int64)
+            lj = torch.cat(tlps[j]) if tlps[j] else torch.zeros(0, k)
+            d, q = target_distribution(ij, lj, self.t2d_index)
+            out_rows.append(rj)
+            out_ids.append(d)
+            out_q.append(q)
+        return {
+            "input_ids": input_ids,
+            "aux_hidden_states": aux,
+            "lengths": torch.tensor(L, dtype=torch.int64),
+            "rows": out_rows,
+            "target_ids": out_ids,
+            "target_q": out_q,
+            "chain_starts": chain,
+            "num_tokens": sum(L),
+            "num_chains": int(chain.sum()),
+            "skipped_nonfinite": skipped,
+            "sample_ids": [s.get("sample_id") for s in good],
+        }
+
+
+def batch_to(batch: dict, device: torch.device | str, non_blocking: bool = True) -> dict:
+    """Move the tensors of a collated batch (including the per-step lists) to ``device``."""
+
+    def mv(x):
+        if isinstance(x, torch.Tensor):
+            return x.to(device, non_blocking=non_blocking)
+        if isinstance(x, list) and x and isinstance(x[0], torch.Tensor):
+            return [t.to(device, non_blocking=non_blocking) for t in x]
+        return x
+
+    return {k: mv(v) for k, v in batch.items()}
+
+
+def pin_batch(batch: dict) -> dict:
+    """Pin the CPU tensors of a collated batch (for asynchronous host-to-device copies)."""
+
+    def pin(x):
+        if isinstance(x, torch.Tensor):
+            return x.pin_memory()
+        if isinstance(x, list) and x and isinstance(x[0], torch.Tensor):
+            return [t.pin_memory() for t in x]
+        return x
+
+    return {k: pin(v) for k, v in batch.items()}
+
+
+# ------------------------------------------------------------------- the unroll
+@dataclass
+class TTTOutput:
+    """Result of :func:`ttt_forward`.
+
+    Attributes:
+        loss: scalar float32, ``sum_j step_weight**j * mean KL_j``.
+        step_stats: ``[J, 3]`` float32 sums per step: (KL sum, loss rows, correct).
+        accepted: scalar float32, sum over chain starts of accepted draft steps.
+        num_chains: number of chain starts (python int).
+        logits: per step ``[N_j, Vd]`` logits of the loss rows (only with
+            ``return_logits``; for tests).
+    """
+
+    loss: torch.Tensor
+    step_stats: torch.Tensor
+    accepted: torch.Tensor
+    num_chains: int
+    logits: list | None = None
+
+
+def ttt_forward(
+    drafter: Eagle3Drafter,
+    batch: dict,
+    ttt_steps: int,
+    step_weight: float = 0.8,
+    return_logits: bool = False,
+) -> TTTOutput:
+    """Unroll ``ttt_steps`` draft steps over a collated batch (see module docstring).
+
+    Args:
+        drafter: the drafter (its ``d2t`` must be the vocabulary the batch was
+            collated with).
+        batch: from :class:`TTTCollator`, on the drafter's device.
+
+    Returns:
+        :class:`TTTOutput`. Runs in the caller's autocast context; the loss is
+        float32.
+    """
+    ids = batch["input_ids"]
+    B, T = ids.shape
+    dev = ids.device
+    aux = batch["aux_hidden_states"]
+    if not torch.is_autocast_enabled(dev.type):
+        aux = aux.to(drafter.fc.weight.dtype)
+    hidden = drafter.fuse(aux)  # [B, T, 3*Ht] -> [B, T, H]
+    positions = torch.arange(T, device=dev).expand(B, T)
+    cache = DynamicCache()
+    loss = torch.zeros((), dtype=torch.float32, device=dev)
+    stats = torch.zeros(ttt_steps, 3, dtype=torch.float32, device=dev)
+    hits = []
+    all_logits = [] if return_logits else None
+    for j in range(ttt_steps):
+        out = drafter(
+            step_input_ids(ids, j),
+            hidden,
+            positions + j,
+            attention_mask=ttt_attention_mask(T, j, dev),
+            past_key_values=cache,
+            return_logits=False,
+        )
+        hidden = out.hidden_states  # [B, T, H]
+        rows = batch["rows"][j]
+        n = rows.numel()
+        logits = drafter.compute_logits(hidden.reshape(B * T, -1)[rows])  # [N_j, Vd]
+        kl = kl_loss(logits, batch["target_ids"][j], batch["target_q"][j])  # [N_j]
+        if n:
+            loss = loss + (step_weight**j) * kl.sum() / n
+        with torch.no_grad():
+            correct = logits.argmax(-1) == batch["target_ids"][j][:, 0]
+            stats[j, 0] = kl.detach().sum()
+            stats[j, 1] = n
+            stats[j, 2] = correct.sum()
+            hit = torch.zeros(B * T, dtype=torch.bool, device=dev)
+            hit[rows] = correct  # rows without loss count as rejections
+            hits.append(hit)
+        if return_logits:
+            all_logits.append(logits.detach())
+    return TTTOutput(
+        loss=loss,
+        step_stats=stats,
+        accepted=chain_acceptance(hits, batch["chain_starts"]).sum(),
+        num_chains=int(batch["num_chains"]),
+        logits=all_logits,
+    )
+
+
+class TTTModel(nn.Module):
+    """Wraps a drafter so that one ``forward(batch)`` is the whole TTT unroll
+    (what Accelerate prepares: autocast and, with several processes, DDP apply)."""
+
+    def __init__(self, drafter: Eagle3Drafter, ttt_steps: int, step_weight: float):
+        super().__init__()
+        self.drafter = drafter
+        self.ttt_steps = ttt_steps
+        self.step_weight = step_weight
+
+    def forward(self, batch: dict) -> TTTOutput:
+        return ttt_forward(self.drafter, batch, self.ttt_steps, self.step_weight)
+
+
+def summarize(step_stats: torch.Tensor, accepted: float, num_chains: int, step_weight: float) -> dict:
+    """Turn summed statistics into metrics: per-step ``loss``/``acc``, weighted
+    ``loss``, simulated ``tau`` (plain python floats)."""
+    s = step_stats.double().cpu()
+    n = s[:, 1].clamp_min(1)
+    step_loss = (s[:, 0] / n).tolist()
+    step_acc = (s[:, 2] / n).tolist()
+    return {
+        "loss": float(sum(step_weight**j * l for j, l in enumerate(step_loss))),
+        "step_loss": step_loss,
+        "step_acc": step_acc,
+        "step_rows": [int(x) for x in s[:, 1].tolist()],
+        "tau": 1.0 + (float(accepted) / num_chains if num_chains else 0.0),
+        "chains": int(num_chains),
+    }

@@ -1,0 +1,182 @@
+"""Training-time test: loss rows, attention pattern, equivalence with chained drafting,
+loss precision, simulated acceptance length."""
+
+import math
+
+import torch
+from transformers import DynamicCache
+
+from eagle3.drafter import DrafterArch, Eagle3Drafter
+from eagle3.ttt import (
+    TTTCollator,
+    chain_acceptance,
+    kl_loss,
+    step_input_ids,
+    summarize,
+    target_distribution,
+    target_to_draft_index,
+    ttt_attention_mask,
+    ttt_forward,
+)
+
+V, VD, H, K = 200, 50, 16, 3
+ARCH = DrafterArch(hidden_size=H, num_attention_heads=2, num_key_value_heads=1, head_dim=8, intermediate_size=24,
+                   num_layers=1, target_hidden_size=H, vocab_size=V, draft_vocab_size=VD)
+D2T = torch.zeros(VD, dtype=torch.int64)  # draft vocabulary = target ids 0..49
+T2D_INDEX = target_to_draft_index(D2T, V)
+
+
+def twelve_token_sample():
+    T = 12
+    g = torch.Generator().manual_seed(0)
+    topk = torch.randint(0, VD, (T, K), generator=g, dtype=torch.int32)
+    topk[9, 0] = 150  # the target's argmax at position 9 is outside the draft vocabulary
+    return {
+        "sample_id": "s",
+        "input_ids": torch.arange(100, 100 + T, dtype=torch.int32),
+        "loss_mask": torch.tensor([0, 0, 0, 1, 1, 1, 1, 0, 0, 1, 1, 1], dtype=torch.uint8),
+        "aux_hidden_states": torch.randn(T, 3, H, generator=g).bfloat16(),
+        "topk_ids": topk,
+        "topk_logprobs": torch.log_softmax(torch.randn(T, K, generator=g), -1) - 0.1,
+    }
+
+
+def test_twelve_token_sample_loss_rows_and_attention():
+    s = twelve_token_sample()
+    b = TTTCollator(T2D_INDEX, ttt_steps=3, max_length=64)([s])
+    # Row r of step j predicts x[r+2+j] from the target's top-k at p = r+1+j; it carries loss
+    # iff loss_mask[r+2+j] = 1 (labels 3,4,5,6,9,10,11) and the argmax at p is in the draft
+    # vocabulary (not p = 9):
+    #   step 0: r+2 in labels -> r in {1,2,3,4,7,8,9}; p=9 is r=8            -> {1,2,3,4,7,9}
+    #   step 1: r+3 in labels -> r in {0,1,2,3,6,7,8}; p=9 is r=7            -> {0,1,2,3,6,8}
+    #   step 2: r+4 in labels -> r in {0,1,2,5,6,7};   p=9 is r=6            -> {0,1,2,5,7}
+    assert b["rows"][0].tolist() == [1, 2, 3, 4, 7, 9]
+    assert b["rows"][1].tolist() == [0, 1, 2, 3, 6, 8]
+    assert b["rows"][2].tolist() == [0, 1, 2, 5, 7]
+    # chains start wherever the first label is generated, in vocabulary or not (r=8 rejects)
+    assert b["chain_starts"].nonzero().flatten().tolist() == [1, 2, 3, 4, 7, 8, 9]
+    # the targets of step 1, row 6 are the top-k at p = 8
+    torch.testing.assert_close(b["target_ids"][1][4], s["topk_ids"][8].long())
+    # input tokens: row r of step j holds x[r+1+j]
+    ids = b["input_ids"]
+    assert step_input_ids(ids, 0)[0, :3].tolist() == [101, 102, 103]
+    assert step_input_ids(ids, 2)[0, 0].item() == 103 and step_input_ids(ids, 2)[0, -3:].tolist() == [0, 0, 0]
+    # attention: step j, row r sees step-0 keys of rows 0..r and the keys of steps 1..j at row r
+    assert ttt_attention_mask(12, 0) is None  # step 0: plain causal
+    m1, m2 = ttt_attention_mask(12, 1)[0, 0], ttt_attention_mask(12, 2)[0, 0]
+    assert m1.shape == (12, 24) and m2.shape == (12, 36)
+    assert m1[0].nonzero().flatten().tolist() == [0, 12]
+    assert m1[5].nonzero().flatten().tolist() == [0, 1, 2, 3, 4, 5, 17]
+    assert m2[5].nonzero().flatten().tolist() == [0, 1, 2, 3, 4, 5, 17, 29]
+    assert m2[11].nonzero().flatten().tolist() == list(range(12)) + [23, 35]
+
+
+def test_ttt_equals_chained_drafting_with_a_kv_cache():
+    """Each TTT row reproduces drafting after token r at serving time: prefix pass over
+    target features, then draft steps fed with the drafter's own hidden states."""
+    torch.manual_seed(1)
+    m = Eagle3Drafter(ARCH).eval()
+    with torch.no_grad():
+        m.embed_tokens.weight.normal_()
+    s = twelve_token_sample()
+    J, T = 3, 12
+    b = TTTCollator(T2D_INDEX, ttt_steps=J, max_length=64)([s])
+    b["rows"] = [torch.arange(T)] * J  # logits of every row
+    b["target_ids"] = [torch.zeros(T, 1, dtype=torch.long)] * J
+    b["target_q"] = [torch.ones(T, 1)] * J
+    with torch.no_grad():
+        ttt = ttt_forward(m, b, J, return_logits=True).logits
+        x = b["input_ids"]
+        fused = m.fuse(b["aux_hidden_states"].float())
+        for r in range(T - 1 - J):
+            cache = DynamicCache()
+            out = m(x[:, 1 : r + 2], fused[:, : r + 1], torch.arange(r + 1)[None], past_key_values=cache)
+            torch.testing.assert_close(ttt[0][r], out.logits[0, -1], atol=1e-5, rtol=1e-5)
+            h = out.hidden_states[:, -1:]
+            for j in range(1, J):
+                out = m(x[:, r + 1 + j : r + 2 + j], h, torch.tensor([[r + j]]), past_key_values=cache)
+                torch.testing.assert_close(ttt[j][r], out.logits[0, -1], atol=1e-5, rtol=1e-5)
+                h = out.hidden_states
+
+
+def test_loss_is_weighted_mean_kl_and_batching_pads_right():
+    torch.manual_seed(2)
+    m = Eagle3Drafter(ARCH)
+    s1, s2 = twelve_token_sample(), twelve_token_sample()
+    for k in ("input_ids", "loss_mask", "aux_hidden_states", "topk_ids", "topk_logprobs"):
+        s2[k] = s2[k][:8]
+    s2["loss_mask"] = torch.ones(8, dtype=torch.uint8)
+    bad = dict(twelve_token_sample(), sample_id="nan")
+    bad["aux_hidden_states"] = bad["aux_hidden_states"].clone()
+    bad["aux_hidden_states"][3, 1, 2] = float("nan")
+    col = TTTCollator(T2D_INDEX, ttt_steps=3, max_length=64)
+    b = col([s1, bad, s2])
+    assert b["skipped_nonfinite"] == 1 and b["sample_ids"] == ["s", "s"] and b["num_tokens"] == 20
+    assert b["input_ids"].shape == (2, 12) and b["input_ids"][1, 8:].eq(0).all()
+    # sample 2 (length 8, all labels generated): step j rows 0..5-j, flat index 12 + r, minus p=... none >= 8
+    assert [r.tolist() for r in b["rows"][2][5:]] == [12, 13, 14, 15]
+    out = ttt_forward(m, b, 3, step_weight=0.8, return_logits=True)
+    ref = sum(0.8**j * kl_loss(out.logits[j], b["target_ids"][j], b["target_q"][j]).mean() for j in range(3))
+    torch.testing.assert_close(out.loss, ref)
+    out.loss.backward()
+    assert m.fc.weight.grad.abs().sum() > 0 and m.embed_tokens.weight.grad is None
+    # a padded batch gives the same per-sample losses as the samples alone
+    alone = ttt_forward(m, col([s2]), 3, return_logits=True)
+    for j in range(3):
+        n = alone.logits[j].shape[0]
+        torch.testing.assert_close(out.logits[j][-n:], alone.logits[j], atol=1e-5, rtol=1e-5)
+
+
+def test_target_distribution_restricted_and_renormalised():
+    t2d_index = torch.full((10,), -1, dtype=torch.int64)
+    t2d_index[[5, 9]] = torch.tensor([0, 1])
+    ids = torch.tensor([[5, 7, 9]])
+    lp = torch.log(torch.tensor([[0.5, 0.3, 0.1]]))
+    d, q = target_distribution(ids, lp, t2d_index)
+    torch.testing.assert_close(q, torch.tensor([[0.5 / 0.6, 0.0, 0.1 / 0.6]]))
+    assert d.tolist() == [[0, 0, 1]]
+    # KL is 0 when the drafter puts exactly q on those ids, positive otherwise
+    logits = torch.tensor([[math.log(0.5 / 0.6), math.log(0.1 / 0.6), -1e4]])
+    assert abs(kl_loss(logits, d, q).item()) < 1e-6
+    assert kl_loss(torch.zeros(1, 3), d, q).item() > 0.1
+
+
+def test_float32_loss_gradient_matches_float64_under_bf16_autocast():
+    """Drafter ~ target: the gradient (p - q) is small, so precision matters."""
+    torch.manual_seed(0)
+    N, Hd, Vd, k = 64, 32, 1000, 20
+    h = torch.randn(N, Hd)
+    W = (torch.randn(Vd, Hd) * 1.5).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = torch.nn.functional.linear(h, W)  # bf16, as lm_head under autocast
+    assert logits.dtype == torch.bfloat16
+    l64 = logits.detach().double()
+    ids = l64.topk(k, -1).indices
+    lp = l64.log_softmax(-1).gather(-1, ids) + 1e-3 * torch.randn(N, k, dtype=torch.float64)
+    q = (lp - lp.logsumexp(-1, keepdim=True)).exp()
+    kl_loss(logits, ids, q.float()).mean().backward()
+    ref = l64.clone().requires_grad_()
+    (q * (q.log() - ref.log_softmax(-1).gather(-1, ids))).sum(-1).mean().backward()
+    g_ref = ref.grad.T @ h.double()
+    rel = ((W.grad.double() - g_ref).norm() / g_ref.norm()).item()
+    assert rel < 0.01, rel
+    # the same loss with a bf16 softmax is far off: the check above can fail
+    W.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lb = torch.nn.functional.linear(h, W)
+    qb = q.bfloat16()
+    (qb * (qb.log() - lb.log_softmax(-1).gather(-1, ids))).sum(-1).mean().backward()
+    assert ((W.grad.double() - g_ref).norm() / g_ref.norm()).item() > 0.05
+
+
+def test_simulated_acceptance_length():
+    hits = [torch.tensor([1, 1, 0, 1, 1], dtype=torch.bool),
+            torch.tensor([1, 0, 1, 1, 1], dtype=torch.bool),
+            torch.tensor([0, 1, 1, 1, 1], dtype=torch.bool)]
+    starts = torch.tensor([1, 1, 1, 0, 1], dtype=torch.bool)
+    acc = chain_acceptance(hits, starts)
+    assert acc.tolist() == [2, 1, 0, 0, 3]
+    stats = torch.tensor([[2.0, 4, 3], [1.0, 4, 2], [0.5, 2, 2]])
+    m = summarize(stats, acc.sum().item(), int(starts.sum()), 0.8)
+    assert m["tau"] == 1 + 6 / 4 and m["step_acc"] == [0.75, 0.5, 1.0]
+    assert m["step_loss"] == [0.5, 0.25, 0.25] and abs(m["loss"] - (0.5 + 0.8 * 0.25 + 0.64 * 0.25)) < 1e-12
