@@ -1019,23 +1019,23 @@ def write_bootstrap_drafter(out_dir: Path, arch: dict, aux_layer_ids: list[int],
     ``norm.weight``, ``lm_head.weight [Vd, H]``, ``d2t [Vd]`` int64 offsets, ``t2d [V]``.
     """
     out_dir = Path(out_dir)
+    torch.manual_seed(seed)
+    try:
+        from eagle3.drafter import DrafterArch, Eagle3Drafter
+        from eagle3.export import export_sglang
+    except ImportError:  # pragma: no cover - only without the train modules
+        export_sglang = None  # type: ignore[assignment]
+    meta = dict(meta, aux_layer_ids=list(aux_layer_ids))
+    meta.setdefault("target", {})["architecture"] = architecture
+    if export_sglang is not None:
+        drafter = Eagle3Drafter(DrafterArch(**{k: arch[k] for k in DrafterArch.__dataclass_fields__ if k in arch}))
+        return Path(export_sglang(drafter, out_dir, meta))
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     if tmp.exists():
         import shutil
 
         shutil.rmtree(tmp)
-    torch.manual_seed(seed)
-    try:
-        from eagle3.drafter import DrafterArch, Eagle3Drafter
-        from eagle3.export import export_sglang
-    except ImportError:
-        export_sglang = None  # type: ignore[assignment]
-    if export_sglang is not None:
-        drafter = Eagle3Drafter(DrafterArch(**{k: arch[k] for k in DrafterArch.__dataclass_fields__ if k in arch}))
-        drafter.to(torch.bfloat16)
-        export_sglang(drafter, tmp, dict(meta, aux_layer_ids=list(aux_layer_ids)))
-    else:
-        _write_sglang_format(tmp, arch, aux_layer_ids, architecture, meta)
+    _write_sglang_format(tmp, arch, aux_layer_ids, architecture, meta)
     os.replace(tmp, out_dir)
     return out_dir
 
