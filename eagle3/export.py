@@ -1,0 +1,344 @@
+"""Export a trained drafter for SGLang (and vLLM through ``speculators``); read it back.
+
+SGLang format (``<output_dir>/export/sglang/``), as read by SGLang's
+``LlamaForCausalLMEagle3`` (``python/sglang/srt/models/llama_eagle3.py``):
+
+* ``config.json``: ``"architectures": ["LlamaForCausalLMEagle3"]``, the Llama fields
+  of the drafter, ``vocab_size`` (the target's), ``draft_vocab_size``,
+  ``target_hidden_size``, ``tie_word_embeddings: false`` (else SGLang ties
+  ``lm_head`` to the embeddings) and ``eagle_config.eagle_aux_hidden_state_layer_ids``
+  in SGLang's convention for the target's architecture
+  (:func:`eagle3.layers.to_sglang_ids`), so that the server captures exactly the aux
+  hidden states the drafter was trained on.
+* ``model.safetensors``: ``fc.weight [H, 3*Ht]``, ``midlayer.{input_layernorm,
+  hidden_norm, post_attention_layernorm}.weight``, ``midlayer.self_attn.{q,k,v,o}_proj
+  .weight``, ``midlayer.mlp.{gate,up,down}_proj.weight``, ``norm.weight``,
+  ``lm_head.weight [Vd, H]``, ``d2t [Vd]`` int64 offsets, ``t2d [V]`` bool; and
+  ``embed_tokens.weight`` only when ``H != Ht`` (SGLang then keeps the drafter's own
+  table instead of sharing the target's).
+* ``eagle3_meta.json``: provenance (target name, content hash, quantization,
+  architecture, chat template hash, aux ids in HF convention, the features folder and
+  its manifest sha256, draft vocabulary size, TTT steps), which evaluation compares
+  with the target it serves.
+
+SGLang loads exactly one EAGLE-3 layer as ``midlayer`` (its optional
+``additional_layers`` use another residual wiring), so only ``num_layers == 1``
+drafters are exported for it.
+
+The speculators format (``export/speculators/``, read by vLLM) is written by the
+``speculators`` library itself (``Eagle3DraftModel.save_pretrained``); its aux ids
+are HF ``output_hidden_states`` indices.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from eagle3.drafter import DrafterArch, Eagle3Drafter
+from eagle3.errors import Eagle3Error
+from eagle3.layers import from_sglang_ids, to_sglang_ids
+
+SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
+META_FILE = "eagle3_meta.json"
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {v: k for k, v in DTYPES.items()}[dtype]
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    """Move the finished ``tmp`` folder to ``out`` (replacing an older export)."""
+    old = out.with_name(out.name + ".old")
+    if old.exists():
+        shutil.rmtree(old)
+    if out.exists():
+        os.replace(out, old)
+    os.replace(tmp, out)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def _write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def sglang_config(arch: DrafterArch, sglang_aux_ids: list[int], dtype: torch.dtype) -> dict:
+    """The ``config.json`` SGLang reads for an EAGLE-3 drafter of these sizes."""
+    return {
+        "architectures": [SGLANG_ARCHITECTURE],
+        "model_type": "llama",
+        "hidden_size": arch.hidden_size,
+        "intermediate_size": arch.intermediate_size,
+        "num_attention_heads": arch.num_attention_heads,
+        "num_key_value_heads": arch.num_key_value_heads,
+        "head_dim": arch.head_dim,
+        "num_hidden_layers": arch.num_layers,
+        "hidden_act": "silu",
+        "rms_norm_eps": arch.rms_norm_eps,
+        "rope_theta": arch.rope_theta,
+        "rope_scaling": None,
+        "max_position_embeddings": arch.max_position_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "vocab_size": arch.vocab_size,
+        "draft_vocab_size": arch.draft_vocab_size,
+        "target_hidden_size": arch.target_hidden_size,
+        "torch_dtype": _dtype_name(dtype),
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": list(sglang_aux_ids),
+            "use_aux_hidden_state": True,
+        },
+    }
+
+
+def sglang_state_dict(drafter: Eagle3Drafter, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Tensors of the SGLang checkpoint, named as SGLang's loader expects."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in drafter.state_dict().items():
+        if name.startswith("rotary_emb."):
+            continue
+        if name == "embed_tokens.weight" and drafter.arch.shares_target_embeddings:
+            continue  # SGLang shares the target's table
+        if name.startswith("layers.0."):
+            name = "midlayer." + name[len("layers.0.") :]
+        t = t.detach().cpu()
+        out[name] = (t.to(dtype) if t.is_floating_point() else t).contiguous()
+    return out
+
+
+def export_sglang(drafter: Eagle3Drafter, out_dir: str | os.PathLike, meta: dict,
+                  dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write ``drafter`` in SGLang's EAGLE-3 format to ``out_dir`` (atomically).
+
+    Args:
+        drafter: a one-layer :class:`~eagle3.drafter.Eagle3Drafter`.
+        meta: provenance (see :data:`META_FILE`); must hold ``aux_layer_ids`` (HF
+            convention, 3 ids) and ``target.architecture`` (``llama`` |
+            ``deepseek_v2``), which decide the ids written in ``config.json``.
+        dtype: weight dtype on disk (SGLang serves drafters in bf16).
+
+    Returns:
+        ``out_dir`` as a Path.
+
+    Raises:
+        Eagle3Error: more than one layer, missing aux ids/architecture, or ids that
+            SGLang cannot express for that architecture.
+    """
+    out = Path(out_dir)
+    arch = drafter.arch
+    if arch.num_layers != 1:
+        raise Eagle3Error(
+            f"SGLang loads EAGLE-3 drafters with exactly one decoder layer; this one has {arch.num_layers} "
+            "(set drafter.num_layers=1, or export.sglang=false)"
+        )
+    aux = meta.get("aux_layer_ids")
+    family = (meta.get("target") or {}).get("architecture")
+    if not aux or len(aux) != 3 or not family:
+        raise Eagle3Error("export metadata needs aux_layer_ids (3 HF ids) and target.architecture")
+    sg_ids = to_sglang_ids(list(aux), family)
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    save_file(sglang_state_dict(drafter, dtype), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    _write_json(tmp / "config.json", sglang_config(arch, sg_ids, dtype))
+    full_meta = dict(meta)
+    full_meta.update(
+        aux_layer_ids=list(aux),
+        sglang_aux_layer_ids=sg_ids,
+        draft_vocab_size=arch.draft_vocab_size,
+    )
+    _write_json(tmp / META_FILE, full_meta)
+    _replace_dir(tmp, out)
+    return out
+
+
+def arch_from_sglang_config(cfg: dict) -> DrafterArch:
+    """:class:`DrafterArch` from an SGLang drafter ``config.json``.
+
+    Raises:
+        Eagle3Error: not an ``LlamaForCausalLMEagle3`` config, or fields missing.
+    """
+    if cfg.get("architectures") != [SGLANG_ARCHITECTURE]:
+        raise Eagle3Error(f"config.json declares {cfg.get('architectures')}, not [{SGLANG_ARCHITECTURE!r}]")
+    try:
+        H = int(cfg["hidden_size"])
+        heads = int(cfg["num_attention_heads"])
+        return DrafterArch(
+            hidden_size=H,
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads", heads)),
+            head_dim=int(cfg.get("head_dim") or H // heads),
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg.get("num_hidden_layers", 1)),
+            target_hidden_size=int(cfg.get("target_hidden_size") or H),
+            vocab_size=int(cfg["vocab_size"]),
+            draft_vocab_size=int(cfg.get("draft_vocab_size") or cfg["vocab_size"]),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
+        )
+    except KeyError as e:
+        raise Eagle3Error(f"drafter config.json lacks the field {e}; it is not a complete EAGLE-3 export") from None
+
+
+def load_sglang_export(export_dir: str | os.PathLike, embed_tokens: Optional[torch.Tensor] = None,
+                       device: str | torch.device = "cpu") -> tuple[Eagle3Drafter, dict]:
+    """Load an SGLang-format drafter the way the server reads it.
+
+    Sizes come from ``config.json``; weights from ``model.safetensors`` (names with or
+    without a ``model.`` prefix; ``midlayer.`` is layer 0); ``d2t`` gives the draft
+    vocabulary (``t2d`` is rebuilt from it, as SGLang ignores the stored one); the aux
+    layer ids the server will capture are ``from_sglang_ids(config ids,
+    target.architecture)`` and must equal the HF ids in ``eagle3_meta.json``.
+
+    Args:
+        embed_tokens: the target's ``[V, H]`` embedding table (SGLang's ``set_embed``);
+            when None and the export carries none, the table is left at zero.
+        device: where to put the drafter (kept in the stored dtype).
+
+    Returns:
+        ``(drafter in eval mode, meta)``; ``meta`` is ``eagle3_meta.json`` with
+        ``aux_layer_ids`` set to what the server will capture.
+
+    Raises:
+        Eagle3Error: missing files, a config that is not EAGLE-3, missing/extra
+            tensors, or aux ids that do not round-trip.
+    """
+    d = Path(export_dir)
+    for f in ("config.json", "model.safetensors"):
+        if not (d / f).exists():
+            raise Eagle3Error(f"{d} has no {f}; point to an SGLang drafter export (<output_dir>/export/sglang)")
+    cfg = json.loads((d / "config.json").read_text())
+    meta = json.loads((d / META_FILE).read_text()) if (d / META_FILE).exists() else {}
+    arch = arch_from_sglang_config(cfg)
+    dtype = DTYPES.get(cfg.get("torch_dtype", "bfloat16"), torch.bfloat16)
+    tensors = {}
+    with safe_open(str(d / "model.safetensors"), framework="pt") as f:
+        for k in f.keys():
+            name = k[len("model.") :] if k.startswith("model.") else k
+            if name.startswith("midlayer."):
+                name = "layers.0." + name[len("midlayer.") :]
+            tensors[name] = f.get_tensor(k)
+    drafter = Eagle3Drafter(arch)
+    expected = {k for k in drafter.state_dict() if not k.startswith("rotary_emb.")}
+    if arch.shares_target_embeddings:
+        expected.discard("embed_tokens.weight")
+    missing, extra = expected - set(tensors) - {"t2d"}, set(tensors) - expected
+    if missing or extra:
+        raise Eagle3Error(f"{d}/model.safetensors: missing {sorted(missing)}, unexpected {sorted(extra)}")
+    d2t = tensors.pop("d2t").to(torch.int64)
+    tensors.pop("t2d", None)
+    ids = torch.arange(arch.draft_vocab_size) + d2t
+    if ids.min() < 0 or ids.max() >= arch.vocab_size:
+        raise Eagle3Error(f"{d}: d2t maps draft ids outside the target vocabulary of {arch.vocab_size}")
+    t2d = torch.zeros(arch.vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    with torch.no_grad():
+        drafter.load_state_dict(tensors, strict=False)
+        drafter.set_draft_vocab(d2t, t2d)
+        if arch.shares_target_embeddings:
+            if embed_tokens is not None:
+                drafter.embed_tokens.weight.copy_(embed_tokens)
+            else:
+                drafter.embed_tokens.weight.zero_()
+    family = (meta.get("target") or {}).get("architecture")
+    sg_ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if family and sg_ids is not None:
+        captured = from_sglang_ids(list(sg_ids), family)
+        if meta.get("aux_layer_ids") is not None and list(meta["aux_layer_ids"]) != captured:
+            raise Eagle3Error(
+                f"{d}: config.json aux ids {sg_ids} make a {family} server capture HF layers {captured}, "
+                f"but the drafter was trained on {meta['aux_layer_ids']}; re-export it"
+            )
+        meta["aux_layer_ids"] = captured
+    return drafter.to(device=device, dtype=dtype).eval(), meta
+
+
+# --------------------------------------------------------------------------- vLLM
+def speculators_available() -> bool:
+    """True when the optional ``speculators`` package imports."""
+    try:
+        import speculators.models.eagle3  # noqa: F401
+    except Exception:  # noqa: BLE001  (a broken optional install counts as absent)
+        return False
+    return True
+
+
+def to_speculators_model(drafter: Eagle3Drafter, meta: dict, ttt_steps: int):
+    """The drafter as a ``speculators`` ``Eagle3DraftModel`` with the same weights.
+
+    Aux ids are written in HF convention (speculators' own); the verifier is recorded
+    by ``meta['target']['path']`` or name and ``architectures``.
+    """
+    from transformers import LlamaConfig
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+
+    a = drafter.arch
+    if not a.shares_target_embeddings:
+        raise Eagle3Error("the speculators format needs hidden_size == the target's hidden size")
+    lc = LlamaConfig(
+        hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
+        num_attention_heads=a.num_attention_heads, num_key_value_heads=a.num_key_value_heads,
+        head_dim=a.head_dim, num_hidden_layers=a.num_layers, vocab_size=a.vocab_size,
+        rms_norm_eps=a.rms_norm_eps, rope_theta=a.rope_theta, max_position_embeddings=a.max_position_embeddings,
+        tie_word_embeddings=False,
+    )
+    lc._attn_implementation = "sdpa"
+    target = meta.get("target") or {}
+    cfg = Eagle3SpeculatorConfig(
+        transformer_layer_config=lc,
+        draft_vocab_size=a.draft_vocab_size,
+        target_hidden_size=a.target_hidden_size,
+        eagle_aux_hidden_state_layer_ids=list(meta["aux_layer_ids"]),
+        speculators_config=SpeculatorsConfig(
+            algorithm="eagle3",
+            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=int(ttt_steps))],
+            default_proposal_method="greedy",
+            verifier=VerifierConfig(
+                name_or_path=target.get("path") or target.get("name"),
+                architectures=list(target.get("hf_architectures") or ["LlamaForCausalLM"]),
+            ),
+        ),
+    )
+    model = Eagle3DraftModel(cfg)
+    sd = {k: v for k, v in drafter.state_dict().items() if not k.startswith("rotary_emb.")}
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing = set(missing) - {"verifier_lm_head.weight", "verifier_norm.weight"}
+    if missing or unexpected:
+        raise Eagle3Error(f"speculators Eagle3DraftModel does not fit this drafter: missing {sorted(missing)}, "
+                          f"unexpected {sorted(unexpected)}")
+    return model
+
+
+def export_speculators(drafter: Eagle3Drafter, out_dir: str | os.PathLike, meta: dict, ttt_steps: int,
+                       dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write the vLLM (speculators) format through ``speculators`` (atomically).
+
+    Raises:
+        Eagle3Error: ``speculators`` is not installed (``pip install speculators``).
+    """
+    if not speculators_available():
+        raise Eagle3Error("the speculators export needs the optional package: pip install 'eagle3[speculators]'")
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model = to_speculators_model(copy.deepcopy(drafter).float().cpu(), meta, ttt_steps).to(dtype)
+    model.save_pretrained(str(tmp))
+    _write_json(tmp / META_FILE, dict(meta, draft_vocab_size=drafter.arch.draft_vocab_size))
+    _replace_dir(tmp, out)
+    return out
