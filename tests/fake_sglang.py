@@ -97,7 +97,7 @@ class FakeConfig:
     num_steps: int = 3
     topk: int = 1
     num_draft_tokens: int = 4
-    draft_model_path: Optional[str] = None
+    draft_model_path: Optional[str] = "fake/drafter"
     enable_return_hidden_states: bool = True
     disable_radix_cache: bool = True
     chunked_prefill_size: int = -1
@@ -348,6 +348,8 @@ class FakeSGLang:
             )
         text = " ".join(f"t{t}" for t in out_ids)
         if body.get("stream"):
+            with self.lock:
+                self.requests.append(body)
             return self._stream(h, out_ids, passes, meta)
         with self.slots:
             self._enter()
@@ -487,3 +489,33 @@ if __name__ == "__main__":
         print(help_text())
         sys.exit(0)
     main()
+
+
+# ------------------------------------------------------------------ a tiny chat tokenizer
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
+)
+
+
+def write_tiny_chat_tokenizer(folder, vocab_size: int = 512) -> str:
+    """A word-level ChatML tokenizer whose ids all lie below ``vocab_size``: 0 ``<unk>``,
+    1 ``<|im_start|>``, 2 ``<|im_end|>`` (EOS, the fake server's default), 3 ``user``,
+    4 ``assistant``, 5 ``system``, then words ``w6 .. w{vocab_size-1}``."""
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<|im_start|>", "<|im_end|>", "user", "assistant", "system"]
+    words += [f"w{i}" for i in range(len(words), vocab_size)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<|im_start|>", eos_token="<|im_end|>",
+        pad_token="<|im_end|>", additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    fast.chat_template = CHATML
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(folder))
+    return str(folder)

@@ -1,0 +1,176 @@
+"""SGLang evaluation against two loopback SGLang-shaped servers (baseline, speculative).
+
+Acceptance numbers are recomputed from what the fake speculative server was asked
+(its recorded prompts) and its closed-form behaviour (response_length, spec_passes),
+not from the module's own summaries.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+import eagle3  # noqa: F401
+from eagle3.config import BenchmarksConfig, EvaluateConfig, ModelConfig, SGLangEngineConfig, SpeculativeConfig
+from eagle3.errors import Eagle3Error
+from eagle3 import sglang_eval as se
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fake_sglang import FakeConfig, FakeSGLang, response_length, spec_passes, write_tiny_chat_tokenizer  # noqa: E402
+
+V = 512
+PATTERN = [2, 0, 3, 1]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    return write_tiny_chat_tokenizer(tmp_path_factory.mktemp("tok") / "tiny", V)
+
+
+@pytest.fixture
+def servers():
+    made = []
+
+    def make(**kw) -> FakeSGLang:
+        s = FakeSGLang(FakeConfig(hidden_size=4, vocab_size=V, **kw))
+        s.start()
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.stop()
+
+
+def benchmarks():
+    from datasets import Dataset
+
+    gsm = Dataset.from_list([{"id": f"g{i}", "messages": [{"role": "user", "content": f"w{10 + i} w{20 + 3 * i} w7"}]}
+                             for i in range(6)])
+    mt = Dataset.from_list([{"id": f"m{i}", "messages": [{"role": "user", "content": f"w{30 + i} w9"},
+                                                         {"role": "user", "content": f"w{40 + i}"}]} for i in range(3)])
+    return {"gsm8k": gsm, "mtbench": mt}
+
+
+def make_cfg(tokenizer_dir, base_url, spec_url, concurrency=(1, 4), **engine_kw) -> EvaluateConfig:
+    model = ModelConfig(name="fake-target", source="org/fake-target", architecture="llama", num_layers=8,
+                        hidden_size=4, vocab_size=V, tokenizer=tokenizer_dir)
+    engine = SGLangEngineConfig(baseline_url=base_url, speculative_url=spec_url, max_retries=3, backoff_s=0.001,
+                                connect_timeout_s=2.0, request_timeout_s=10.0, **engine_kw)
+    return EvaluateConfig(model=model, engine=engine, data=BenchmarksConfig(), speculative=SpeculativeConfig(3, 1, 4),
+                          max_new_tokens=16, warmup_prompts=1, concurrency=list(concurrency))
+
+
+def test_sweep_reports_tau_throughput_and_plot(tokenizer_dir, servers, tmp_path):
+    base = servers(speculative=False, step_s=0.01, prefill_s=0.002)
+    spec = servers(speculative=True, accept_pattern=PATTERN, step_s=0.01, prefill_s=0.002)
+    cfg = make_cfg(tokenizer_dir, base.url, spec.url)
+    res = se.run_sglang_evaluation(cfg, benchmarks(), {"aux_layer_ids": [2, 4, 5]}, tmp_path)
+
+    assert res["engine"] == "sglang" and res["warnings"] == []
+    # 6 single-turn + 3 two-turn prompts, twice (c=1, c=4), plus one warm-up conversation
+    measured = [b for b in spec.requests if b.get("stream")]
+    assert len(measured) == 2 * (6 + 3 * 2) + 1
+    # mt-bench: the second turn carries the first (prompt + answer) in front of it
+    firsts = {tuple(b["input_ids"]) for b in measured}
+    seconds = [b["input_ids"] for b in measured if any(tuple(b["input_ids"][:len(f)]) == f and len(f) < len(b["input_ids"]) for f in firsts)]
+    assert len(seconds) >= 3
+
+    for name, turns in (("gsm8k", 6), ("mtbench", 6)):
+        r = res["benchmarks"][name]
+        for key in ("acceptance_length", "acceptance_rate", "verify_passes", "generated_tokens", "per_position_acceptance",
+                    "tokens_per_s_spec", "tokens_per_s_base", "speedup", "lossless_matches", "diversity", "concurrency"):
+            assert key in r, key
+        assert r["lossless_matches"] is None and r["requests"] == turns
+        assert [row["concurrency"] for row in r["concurrency"]] == [1, 4]
+        assert r["speedup"] == pytest.approx(r["tokens_per_s_spec"] / r["tokens_per_s_base"])
+
+    # independent tau over all measured speculative requests at concurrency 1 (first half, after warm-up)
+    at_c1 = measured[1:1 + 12]
+    toks = passes = 0
+    hist = [0, 0, 0, 0]
+    for b in at_c1:
+        n = min(response_length(b["input_ids"]), 16)
+        ps = spec_passes(n, PATTERN)
+        toks += n
+        passes += len(ps)
+        for a in ps:
+            hist[a] += 1
+    pooled = res["concurrency"][0]["speculative"]
+    assert pooled["output_tokens"] == toks
+    assert pooled["verify_passes"] == passes
+    assert pooled["acceptance_length"] == pytest.approx(toks / passes)
+    assert pooled["acceptance_length_verify_only"] == pytest.approx((toks - 12) / passes)
+    assert pooled["acceptance_rate"] == pytest.approx(sum(a * h for a, h in enumerate(hist)) / (passes * 3))
+    total = sum(hist)
+    assert pooled["per_position_acceptance"] == pytest.approx([(hist[1] + hist[2] + hist[3]) / total,
+                                                               (hist[2] + hist[3]) / total, hist[3] / total])
+    # the speculative fake needs fewer steps per token: it must come out faster
+    assert res["concurrency"][0]["speedup"] > 1.2
+    png = tmp_path / se.PLOT_NAME
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    lines = (tmp_path / se.REQUESTS_NAME).read_text().splitlines()
+    assert len(lines) == 2 * 2 * 12
+    assert res["servers"]["speculative"]["effective"]["speculative_algorithm"] == "EAGLE3"
+
+
+def test_silent_cap_is_warned_and_visible(tokenizer_dir, servers, tmp_path):
+    base = servers(speculative=False, step_s=0.002)
+    spec = servers(speculative=True, effective_max_running_requests=2, step_s=0.002)
+    cfg = make_cfg(tokenizer_dir, base.url, spec.url, concurrency=(1, 4))
+    res = se.run_sglang_evaluation(cfg, {"gsm8k": benchmarks()["gsm8k"]}, {}, tmp_path)
+    assert any("admits at most 2 running requests" in w and "[4]" in w for w in res["warnings"])
+    assert spec.max_seen_running <= 2 and base.max_seen_running > 2
+    assert res["servers"]["speculative"]["effective"]["effective_max_running_requests"] == 2
+
+
+def test_missing_spec_verify_ct_gives_no_tau_and_a_warning(tokenizer_dir, servers, tmp_path):
+    base = servers(speculative=False)
+    spec = servers(speculative=True, missing_spec_verify_ct=True, avg_spec_accept_length=1.7)
+    cfg = make_cfg(tokenizer_dir, base.url, spec.url, concurrency=(2,))
+    res = se.run_sglang_evaluation(cfg, {"gsm8k": benchmarks()["gsm8k"]}, {}, tmp_path)
+    assert res["benchmarks"]["gsm8k"]["acceptance_length"] is None
+    assert any("spec_verify_ct" in w for w in res["warnings"])
+    assert res["servers"]["speculative"]["avg_spec_accept_length_after_run"] == [1.7]
+
+
+def test_servers_in_the_wrong_mode_are_refused(tokenizer_dir, servers, tmp_path):
+    plain = servers(speculative=False)
+    spec = servers(speculative=True)
+    with pytest.raises(Eagle3Error, match="baseline server .* runs speculative decoding"):
+        se.run_sglang_evaluation(make_cfg(tokenizer_dir, spec.url, spec.url), benchmarks(), {}, tmp_path)
+    with pytest.raises(Eagle3Error, match="--speculative-algorithm EAGLE3"):
+        se.run_sglang_evaluation(make_cfg(tokenizer_dir, plain.url, plain.url), benchmarks(), {}, tmp_path)
+
+
+def test_served_drafter_must_match_the_evaluated_one(tokenizer_dir, servers, tmp_path):
+    draft = tmp_path / "served"
+    draft.mkdir()
+    (draft / "config.json").write_text(json.dumps({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}}))
+    base = servers(speculative=False)
+    spec = servers(speculative=True, draft_model_path=str(draft))
+    with pytest.raises(Eagle3Error, match=r"aux layers \[2, 4, 5\] but .* trained on \[2, 3, 5\]"):
+        se.run_sglang_evaluation(make_cfg(tokenizer_dir, base.url, spec.url), benchmarks(), {"aux_layer_ids": [2, 3, 5]}, tmp_path)
+
+
+def test_no_servers_and_no_sglang(tokenizer_dir, tmp_path):
+    cfg = make_cfg(tokenizer_dir, None, None)
+    cfg.engine.python = sys.executable
+    with pytest.raises(Eagle3Error) as e:
+        se.run_sglang_evaluation(cfg, benchmarks(), {}, tmp_path)
+    assert "engine.baseline_url=http://HOST:PORT engine.speculative_url=http://HOST:PORT" in str(e.value)
+
+
+def test_measure_helpers_by_hand():
+    p = se.percentiles_ms([0.001, 0.002, 0.003, 0.004])
+    assert p["mean"] == pytest.approx(2.5) and p["p50"] == pytest.approx(2.5) and p["p90"] == pytest.approx(3.7)
+    assert se.per_position_acceptance([5, 3, 2]) == pytest.approx([0.5, 0.2])
+    d = se.diversity([[1, 1, 1, 1, 1], [1, 2, 3, 4, 5]], n=4)
+    assert d["distinct_1"] == pytest.approx((1 / 5 + 1) / 2) and d["distinct_4"] == pytest.approx((1 / 2 + 1) / 2)
+    r = se.RequestRecord("b", "s", 0, 10, 5, ttft_s=0.1, latency_s=0.5, output_ids=[])
+    assert r.tpot_s == pytest.approx(0.1)
+    assert se.cap_warnings("speculative", {"max_running_requests": 48, "effective_max_running_requests": 48,
+                                           "cuda_graph_max_bs": 48}, [1, 32, 64, 128])[0].count("[64, 128]") == 1
