@@ -398,3 +398,20 @@ def test_launch_refuses_a_flag_the_server_lacks(fake_sglang_package):
     cfg = engine_cfg(python=sys.executable, port=sg.free_port(), extra_args=["--enable-bogus-feature"])
     with pytest.raises(Eagle3Error, match=r"does not accept \['--enable-bogus-feature'\]"):
         sg.SGLangEngine.from_config(model_cfg(), cfg, tmp / "cache", tmp / "run")
+
+
+def test_cli_prints_the_capture_command_with_a_bootstrap_drafter(tmp_path, capsys):
+    rc = sg.main(["capture", "model=kimi-k25-int4", "model.hidden_size=8", "model.vocab_size=512",
+                  f"cache_dir={tmp_path}", "engine.port=31000", f"engine.python={sys.executable}"])
+    out = capsys.readouterr()
+    assert rc == 0
+    boot = out.err.split("# bootstrap drafter: ")[1].split()[0]
+    import json
+
+    conf = json.loads((Path(boot) / "config.json").read_text())
+    # Kimi is deepseek_v2: HF ids [2, 30, 58] are written [1, 29, 57] (first id 1 -> +1 on all)
+    assert conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 29, 57]
+    assert conf["num_attention_heads"] % 8 == 0 and conf["target_hidden_size"] == 8
+    line = out.out.strip()
+    assert line.startswith(f"{sys.executable} -m sglang.launch_server --model-path moonshotai/Kimi-K2.5 --tp 8")
+    assert f"--speculative-draft-model-path {Path(boot).resolve()}" in line and "--port 31000" in line
