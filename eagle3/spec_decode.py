@@ -424,9 +424,8 @@ class Eagle3Proposer(DraftProposer):
     def __init__(self, drafter, aux_layer_ids: Sequence[int]):
         self.drafter = drafter
         self.aux_layer_ids = list(aux_layer_ids)
-        d2t = drafter.d2t
-        self.vocab_target_ids = torch.arange(d2t.numel(), device=d2t.device) + d2t
-        self.dtype = next(drafter.parameters()).dtype
+        self.vocab_target_ids = drafter.draft_ids()  # [Vd] int64: i + d2t[i]
+        self.dtype = drafter.fc.weight.dtype
         self.reset()
 
     def reset(self) -> None:
@@ -444,13 +443,14 @@ class Eagle3Proposer(DraftProposer):
         hidden = self.drafter.fuse(aux.to(self.dtype)[None])  # [1, m, 3Ht] -> [1, m, H]
         pos = torch.arange(start, start + m, device=input_ids.device)[None]
         out = self.drafter(
-            input_ids[None], hidden, pos, attention_mask=None, past_key_values=self.cache, use_cache=True
+            input_ids[None], hidden, pos, attention_mask=None, past_key_values=self.cache, use_cache=True,
+            return_logits=False,
         )
         self.cache = out.past_key_values
         self.committed = start + m
         self._hidden = out.hidden_states[0, -1:]  # [1, H]
         self._ancestors = None
-        return out.logits[0, -1]
+        return self.drafter.compute_logits(self._hidden)[0]  # [Vd]: only the root's row
 
     def step(self, input_ids, parents, position):
         w = input_ids.numel()

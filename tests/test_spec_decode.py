@@ -432,3 +432,107 @@ def test_sampling_end_to_end_matches_the_target_distribution(topk, ndt):
     assert chi2_pvalue(c3, m3) > 1e-3
     # power: the same counts reject the target's distribution at a nearby temperature
     assert chi2_pvalue(c2, m2_hotter) < 1e-6
+
+
+# ----------------------------------------------------------------------------- EAGLE-3 drafter
+def tiny_drafter(target, vocab_draft=48, seed=0):
+    from eagle3.drafter import DrafterArch, Eagle3Drafter
+
+    cfg = target.config
+    arch = DrafterArch(
+        hidden_size=cfg.hidden_size, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=128, num_layers=1, target_hidden_size=cfg.hidden_size,
+        vocab_size=cfg.vocab_size, draft_vocab_size=vocab_draft,
+    )
+    torch.manual_seed(seed)
+    d = Eagle3Drafter(arch)
+    d.reset_parameters(std=0.3)
+    ids = torch.randperm(cfg.vocab_size)[:vocab_draft].sort().values
+    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    d.set_draft_vocab(ids - torch.arange(vocab_draft), t2d)
+    d.init_from_target(target.get_input_embeddings().weight)
+    return d.eval()
+
+
+AUX = [1, 2, 3]  # HF output_hidden_states[L] is post-norm, so the reference avoids id L
+
+
+class RecordingProposer:
+    """Wraps an Eagle3Proposer and records (start, m, logits) of every begin and chain step 1."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.begins, self.steps = [], []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def begin(self, input_ids, aux, start):
+        out = self.inner.begin(input_ids, aux, start)
+        self.begins.append((start, input_ids.numel(), out.clone()))
+        self._last_root_hidden = self.inner._hidden.clone()
+        return out
+
+    def step(self, input_ids, parents, position):
+        out = self.inner.step(input_ids, parents, position)
+        if len(self.steps) < len(self.begins):  # first step of this round
+            self.steps.append((input_ids.clone(), position, out.clone()))
+        return out
+
+
+@pytest.mark.parametrize("topk,ndt", [(1, 4), (2, 6)])
+def test_eagle3_drafter_is_lossless_and_its_cache_matches_a_fresh_forward(target, topk, ndt):
+    from eagle3.spec_decode import Eagle3Proposer
+
+    drafter = tiny_drafter(target)
+    n = 40
+    ref = greedy_reference(target, PROMPT, n)
+    s, _ = SpecSettings.make(3, topk, ndt, max_new_tokens=n)
+    rec = RecordingProposer(Eagle3Proposer(drafter, AUX))
+    dec = SpeculativeDecoder(TargetRunner(target, AUX), rec, s)
+    res = dec.generate(PROMPT)
+    assert res.tokens == ref[len(PROMPT):]
+    assert res.verify_passes >= 2
+    seq = torch.tensor(ref)
+    with torch.no_grad():
+        hs = target(seq[None], output_hidden_states=True).hidden_states
+        aux_all = torch.cat([hs[k][0] for k in AUX], -1)  # [T, 3H]
+        for r, (start, m, logits) in enumerate(rec.begins):
+            L = start + m  # positions read with target features; seq[L] is the round's root
+            out = drafter(seq[1 : L + 1][None], drafter.fuse(aux_all[:L][None]), torch.arange(L)[None])
+            torch.testing.assert_close(logits, out.logits[0, -1], atol=1e-4, rtol=1e-4)
+            if topk == 1:
+                tok, pos, step_logits = rec.steps[r]
+                assert pos == L
+                ids = torch.cat([seq[1 : L + 1], tok])[None]
+                hid = torch.cat([drafter.fuse(aux_all[:L][None]), out.hidden_states[:, -1:]], 1)
+                chain = drafter(ids, hid, torch.arange(L + 1)[None])
+                torch.testing.assert_close(step_logits[0], chain.logits[0, -1], atol=1e-4, rtol=1e-4)
+
+
+def test_eagle3_tree_steps_equal_chains_along_each_path(target):
+    from eagle3.spec_decode import Eagle3Proposer
+
+    drafter = tiny_drafter(target, seed=1)
+    runner = TargetRunner(target, AUX)
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        _, aux = runner.forward(ids, torch.arange(len(PROMPT))[None], runner.new_cache())
+    new_ids = torch.tensor(PROMPT[1:] + [50])
+    L = len(PROMPT)
+    a, b, c, d = 11, 12, 13, 14
+
+    def run(steps):
+        p = Eagle3Proposer(drafter, AUX)
+        with torch.no_grad():
+            p.begin(new_ids, aux, 0)
+            outs = [p.step(torch.tensor(t), torch.tensor(par), L + i) for i, (t, par) in enumerate(steps)]
+        return outs
+
+    tree = run([([a, b], [0, 0]), ([c, d], [1, 0])])  # c under b, d under a
+    chain_c = run([([b], [0]), ([c], [0])])
+    chain_d = run([([a], [0]), ([d], [0])])
+    torch.testing.assert_close(tree[0][1], chain_c[0][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(tree[1][0], chain_c[1][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(tree[1][1], chain_d[1][0], atol=1e-5, rtol=1e-5)
