@@ -1,0 +1,85 @@
+"""Acceptance measures, diversity and verdicts (hand-computed cases)."""
+
+import pytest
+
+from eagle3.metrics import (
+    acceptance_summary,
+    accept_histogram,
+    conditional_acceptance,
+    distinct_n,
+    diversity,
+    is_loop,
+    longest_loop,
+    per_position_acceptance,
+    verdict,
+)
+
+
+def test_acceptance_summary_hand_case():
+    # 4 passes with num_steps=3 accepting 3, 0, 1, 3 drafts -> emitted 4+1+2+4 = 11
+    s = acceptance_summary(verify_passes=4, emitted=11, accept_counts=[3, 0, 1, 3], num_steps=3)
+    assert s["acceptance_length"] == 11 / 4
+    assert s["acceptance_rate"] == 7 / 12
+    assert s["accept_histogram"] == [1, 1, 0, 2]
+    # position 1 accepted in 3 of 4 passes, position 2 in 2, position 3 in 2
+    assert s["per_position_acceptance"] == [0.75, 0.5, 0.5]
+    assert s["conditional_acceptance"] == [0.75, 2 / 3, 1.0]
+    assert s["proposed_drafts"] == 12 and s["accepted_drafts"] == 7
+
+
+def test_empty_and_invalid():
+    s = acceptance_summary(0, 0, [], 3)
+    assert s["acceptance_length"] is None and s["per_position_acceptance"] == []
+    with pytest.raises(ValueError):
+        accept_histogram([4], 3)
+    assert per_position_acceptance([0, 0]) == []
+    assert conditional_acceptance([2, 0, 0]) == [0.0, None]
+
+
+def test_distinct_n():
+    assert distinct_n([1, 2, 1, 2], 1) == 0.5
+    assert distinct_n([1, 2, 1, 2], 2) == 2 / 3  # (1,2) (2,1) (1,2)
+    assert distinct_n([1], 2) is None
+
+
+def test_longest_loop():
+    assert longest_loop([1, 2, 3, 4, 5]) == (0, 0)
+    assert longest_loop([7, 7]) == (2, 1)
+    # prefix, then "5 6 7" three times, then a tail
+    assert longest_loop([1, 2, 5, 6, 7, 5, 6, 7, 5, 6, 7, 9]) == (9, 3)
+    # a pattern seen twice but not adjacent is no loop
+    assert longest_loop([1, 2, 3, 9, 1, 2, 3]) == (0, 0)
+    # a partial third repeat counts in the span
+    assert longest_loop([4, 1, 2, 1, 2, 1]) == (5, 2)
+    assert longest_loop([3] * 10, max_period=4) == (10, 1)
+
+
+def test_diversity_flags_loops():
+    loop = [1, 2, 3, 4] * 12  # 48 tokens, all looping
+    fresh = list(range(100, 148))
+    d = diversity([loop, fresh, fresh, fresh])
+    assert is_loop(loop, 48) and not is_loop(fresh, 0)
+    assert d["looping_outputs"] == 1 and d["loop_fraction"] == 0.25 and d["loops"] is True
+    assert d["longest_loop_max"] == 48
+    assert d["distinct_1"] == pytest.approx((4 / 48 + 3) / 4)
+    assert diversity([fresh] * 5)["loops"] is False
+
+
+def test_verdicts():
+    ok = {"acceptance_length": 2.8, "speedup": 1.6, "diversity": {"loops": False}, "lossless_matches": 5,
+          "lossless_checked": 5}
+    assert verdict(ok) == ("OK", [])
+    v, notes = verdict({"acceptance_length": 1.02, "speedup": 0.7})
+    assert v == "accepts-nothing, slower"
+    assert "aux layer ids" in notes[0] and "costs more than it saves" in notes[1]
+    v, notes = verdict({**ok, "diversity": {"loops": True, "looping_outputs": 3, "longest_loop_max": 90},
+                        "acceptance_length_non_looping": 2.1})
+    assert v == "loops" and "2.10" in notes[0]
+    v, _ = verdict({**ok, "lossless_matches": 4})
+    assert v == "not-lossless"
+    served = {**ok, "concurrency": [{"concurrency": 1, "speedup": 1.5}, {"concurrency": 128, "speedup": 0.4}]}
+    v, notes = verdict(served, spec_cap=48)
+    assert v == "throttled" and "48" in notes[0]
+    # a bad drafter is not called throttled
+    assert "throttled" not in verdict({**served, "acceptance_length": 1.0}, spec_cap=48)[0]
+    assert verdict({"acceptance_length": float("nan")})[0] == "OK"
