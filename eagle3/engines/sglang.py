@@ -507,7 +507,13 @@ def parse_capture(out: dict, input_ids: Sequence[int], hidden_size: int, top_k: 
             "(and --speculative-algorithm EAGLE3 with a drafter for this target)"
         )
     rows = _block_of_prompt_rows(meta["hidden_states"])
-    width = len(rows[0]) if rows and isinstance(rows[0], list) else 0
+    cached = int(meta.get("cached_tokens") or 0)
+    if not rows:
+        raise Eagle3Error(
+            f"{url} returned no hidden-state rows for a {T}-token sequence ({cached} tokens served from cache); "
+            "start the server with --disable-radix-cache and --chunked-prefill-size -1"
+        )
+    width = len(rows[0]) if isinstance(rows[0], list) else 0
     if width != 3 * hidden_size:
         if width == hidden_size:
             hint = ("these are the final hidden states, not the aux states: start the server with "
@@ -516,7 +522,6 @@ def parse_capture(out: dict, input_ids: Sequence[int], hidden_size: int, top_k: 
             hint = ("the server's target is not this model (check model.hidden_size and --model-path) "
                     "or its drafter config does not list exactly three aux layers")
         raise Eagle3Error(f"{url} returned hidden states of width {width}, expected 3 x {hidden_size} = {3 * hidden_size}; {hint}")
-    cached = int(meta.get("cached_tokens") or 0)
     if len(rows) != T:
         raise Eagle3Error(
             f"{url} returned {len(rows)} hidden-state rows for a {T}-token sequence "
@@ -645,6 +650,18 @@ def launch_flags(cmd: Any) -> list[str] | None:
             continue
         out.append(a)
     return out
+
+
+def _warn_if_other_model(url: str, info: dict, model_cfg: Any) -> None:
+    """Log a warning when the server's ``model_path`` does not look like ``model.source``
+    (a server may load the same checkpoint from another folder, so this cannot be an error)."""
+    served = info.get("model_path")
+    if not served:
+        return
+    want = os.path.basename(str(model_cfg.source).rstrip("/")).lower()
+    if want and want not in str(served).lower():
+        log.warning("the SGLang server at %s serves %s, but model.source is %s; is it the configured target?",
+                    url, served, model_cfg.source)
 
 
 def _check_same_deployment(urls: list[str], infos: list[dict]) -> None:
@@ -1238,6 +1255,7 @@ class SGLangEngine(Engine):
                         f"the drafter served at {url} makes the target capture aux layers {served} (HF ids) but "
                         f"model.aux_layer_ids is {aux}; serve a drafter exported for these layers"
                     )
+                _warn_if_other_model(url, info, model_cfg)
                 clients.append(client)
                 infos.append(info)
             _check_same_deployment(urls, infos)
@@ -1272,7 +1290,7 @@ class SGLangEngine(Engine):
             "launch_flags": launch_flags(launch),
             "effective": static_settings(inf),
             "aux_layer_ids": self.aux_layer_ids,
-            "capture_request": {k: v for k, v in capture_request([0], 0).items() if k != "input_ids"},
+            "capture_request": {k: v for k, v in capture_request([0], 0).items() if k not in ("input_ids", "top_logprobs_num")},
         }
 
     def generate(self, prompts: list[list[int]], sampling: Any) -> list[list[int]]:
