@@ -1,0 +1,35 @@
+"""Engines serving the target: ``hf`` (in-process transformers) and ``sglang`` (a server)."""
+
+from __future__ import annotations
+
+from eagle3.engines.base import Engine
+from eagle3.errors import Eagle3Error
+
+__all__ = ["Engine", "build_engine"]
+
+
+def build_engine(model_cfg, engine_cfg, cache_dir, run_dir) -> Engine:
+    """The engine named by ``engine_cfg.name`` serving ``model_cfg``.
+
+    ``hf`` loads the target in this process (building its folder on first use);
+    ``sglang`` connects to / launches an SGLang server (imported lazily, so the hf path
+    never needs SGLang's client code).
+
+    Raises:
+        Eagle3Error: an unknown engine name, SGLang support missing, or what the
+            engine itself raises (no server reachable, a hub-only target on hf, ...).
+    """
+    name = getattr(engine_cfg, "name", None)
+    if name == "hf":
+        from eagle3.engines.hf import HFEngine
+
+        return HFEngine.from_config(model_cfg, engine_cfg, cache_dir, run_dir)
+    if name == "sglang":
+        try:
+            from eagle3.engines.sglang import SGLangEngine
+        except ImportError as e:
+            raise Eagle3Error(
+                f"SGLang support is missing in this installation ({e}); use engine=hf or install eagle3 with its sglang engine"
+            ) from None
+        return SGLangEngine.from_config(model_cfg, engine_cfg, cache_dir, run_dir)
+    raise Eagle3Error(f"engine '{name}' is unknown; use engine=hf or engine=sglang")

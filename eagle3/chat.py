@@ -1,0 +1,179 @@
+"""Chat-template rendering and the assistant loss mask.
+
+The loss mask is derived from the rendered text, not from a model-specific pattern:
+the conversation is rendered once with the target's chat template; each assistant
+message's content is located in that string (searching from the end of the rendered
+prefix ``messages[:i]`` + generation prompt, which the full rendering starts with for
+any prefix-consistent template); the character span is mapped to tokens through the
+fast tokenizer's offsets; and the end-of-turn marker that the template writes right
+after the content (``<|im_end|>`` for ChatML, ``<|eot_id|>`` for Llama 3, ...) is
+added, because the target generates it too.
+
+``loss_mask[t] = 1`` iff token ``t`` overlaps an assistant message's content or is its
+end-of-turn marker. Training uses ``loss_mask[t+1]`` for the prediction made at ``t``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Sequence
+
+from eagle3.errors import Eagle3Error
+
+ROLES = ("system", "user", "assistant")
+_SENTINEL = "EAGLE3_SENTINEL_CONTENT"
+
+
+def validate_messages(messages: Sequence[dict], where: str = "conversation") -> None:
+    """Check a conversation: non-empty, known roles, string contents, a user turn first.
+
+    Raises:
+        Eagle3Error: naming ``where`` (a file and line, or a sample id) and the problem.
+    """
+    if not messages:
+        raise Eagle3Error(f"{where}: the conversation is empty; give at least one user message")
+    for m in messages:
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise Eagle3Error(
+                f"{where}: every message needs a role in {list(ROLES)} and a string content, got {str(m)[:80]!r}"
+            )
+    first = next((m["role"] for m in messages if m["role"] != "system"), None)
+    if first != "user":
+        raise Eagle3Error(f"{where}: the conversation has no user turn before the first assistant turn; start it with a user message")
+
+
+def _render(tokenizer, messages, add_generation_prompt: bool) -> str:
+    out = tokenizer.apply_chat_template(
+        list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    if not isinstance(out, str):
+        raise Eagle3Error("the chat template did not render to a string; check model.chat_template")
+    return out
+
+
+def _encode(tokenizer, text: str, offsets: bool = False):
+    return tokenizer(
+        text, add_special_tokens=False, return_offsets_mapping=offsets, return_attention_mask=False
+    )
+
+
+def render_prompt(tokenizer, messages: Sequence[dict]) -> list[int]:
+    """Token ids of ``messages`` rendered with the chat template plus the generation prompt.
+
+    This is what the target sees before it writes the next assistant turn (the template
+    adds any BOS itself; no extra special tokens are added).
+    """
+    return list(_encode(tokenizer, _render(tokenizer, messages, True))["input_ids"])
+
+
+def chat_template_hash(tokenizer) -> str:
+    """``sha256:<hex>`` of the tokenizer's chat template text (as rendered for the target)."""
+    tmpl = tokenizer.chat_template
+    if isinstance(tmpl, dict):  # named templates: hash them all in a stable order
+        tmpl = "\n".join(f"{k}\n{tmpl[k]}" for k in sorted(tmpl))
+    return "sha256:" + hashlib.sha256((tmpl or "").encode()).hexdigest()
+
+
+def _special_ids(tokenizer) -> set[int]:
+    ids = set(getattr(tokenizer, "all_special_ids", []) or [])
+    try:
+        for tid, tok in tokenizer.added_tokens_decoder.items():
+            if getattr(tok, "special", False):
+                ids.add(int(tid))
+    except AttributeError:
+        pass
+    return ids
+
+
+def end_of_turn_ids(tokenizer) -> list[int]:
+    """Token ids that end an assistant turn: EOS and the template's end-of-turn marker.
+
+    The marker is found by rendering a one-exchange conversation and taking the first
+    special token after the assistant content (``<|im_end|>`` for ChatML).
+    """
+    ids: set[int] = set()
+    eos = tokenizer.eos_token_id
+    if eos is not None:
+        ids.update(eos if isinstance(eos, list) else [eos])
+    text = _render(tokenizer, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _SENTINEL}], False)
+    pos = text.rfind(_SENTINEL)
+    if pos >= 0:
+        special = _special_ids(tokenizer)
+        tail = _encode(tokenizer, text[pos + len(_SENTINEL):])["input_ids"]
+        first = next((t for t in tail if t in special), None)
+        if first is not None:
+            ids.add(int(first))
+    return sorted(ids)
+
+
+def _token_span(offsets, start: int, end: int) -> tuple[int, int]:
+    """Token index range [i, j) of tokens overlapping chars [start, end) (offsets sorted)."""
+    i = 0
+    n = len(offsets)
+    while i < n and offsets[i][1] <= start:
+        i += 1
+    j = i
+    while j < n and offsets[j][0] < end:
+        j += 1
+    return i, j
+
+
+def render_conversation(tokenizer, messages: Sequence[dict]) -> tuple[list[int], list[int]]:
+    """Render a whole conversation: ``(input_ids, loss_mask)``, both length T.
+
+    ``loss_mask`` is 1 on the tokens of every assistant message's content and on the
+    end-of-turn token the template writes right after it (only whitespace between),
+    0 elsewhere (system, user, role headers, generation prompts, separators).
+
+    Raises:
+        Eagle3Error: an invalid conversation (:func:`validate_messages`), a tokenizer
+            without offsets (needs a fast tokenizer), an assistant content the
+            template does not reproduce verbatim, or a degenerate mask (all 0 with an
+            assistant turn, or all 1).
+    """
+    validate_messages(messages)
+    text = _render(tokenizer, messages, False)
+    enc = _encode(tokenizer, text, offsets=True)
+    ids = list(enc["input_ids"])
+    offsets = enc.get("offset_mapping")
+    if offsets is None:
+        raise Eagle3Error("the target's tokenizer gives no character offsets; a fast (tokenizers) tokenizer is needed")
+    offsets = [tuple(o) for o in offsets]
+    mask = [0] * len(ids)
+    eot = set(end_of_turn_ids(tokenizer))
+    cursor = 0
+    n_assistant = 0
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        n_assistant += 1
+        prefix = _render(tokenizer, messages[:i], True)
+        start_from = len(prefix) if text.startswith(prefix) else cursor
+        content = m["content"]
+        a = text.find(content, start_from)
+        if a < 0 and content.strip():
+            content = content.strip()
+            a = text.find(content, start_from)
+        if a < 0:
+            raise Eagle3Error(
+                f"the chat template does not reproduce assistant message {i} verbatim, so its loss "
+                "mask cannot be located; use a template that renders assistant content as given"
+            )
+        b = a + len(content)
+        ti, tj = _token_span(offsets, a, b)
+        for t in range(ti, tj):
+            mask[t] = 1
+        # end-of-turn marker: the first special token after the content, if only whitespace precedes it
+        k = tj
+        while k < len(ids) and offsets[k][0] < b:
+            k += 1
+        if k < len(ids) and ids[k] in eot and not text[b:offsets[k][0]].strip():
+            mask[k] = 1
+            b = offsets[k][1]
+        cursor = b
+    total = sum(mask)
+    if n_assistant and total == 0:
+        raise Eagle3Error("the chat template yields an all-zero loss mask for a conversation with assistant turns; check model.chat_template")
+    if ids and total == len(ids):
+        raise Eagle3Error("the chat template yields an all-one loss mask (nothing but assistant tokens); check model.chat_template")
+    return ids, mask

