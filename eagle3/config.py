@@ -97,9 +97,11 @@ class HFEngineConfig:
     name: str = "hf"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     attn_implementation: str = "sdpa"
-    generate_batch_size: int = 16  # prompts per batched generate call
-    capture_batch_size: int = 8  # sequences per batched capture forward
-    max_batch_tokens: int = 16384  # padded tokens per capture forward (caps memory)
+    # Batch sizes; None = by device (cpu: 16 prompts, 16 sequences, 8192 tokens;
+    # cuda: 256 prompts, 64 sequences, 65536 tokens).
+    generate_batch_size: Optional[int] = None  # prompts per batched generate call
+    capture_batch_size: Optional[int] = None  # sequences per batched capture forward
+    max_batch_tokens: Optional[int] = None  # padded tokens per capture forward (caps memory)
 
 
 @dataclass
