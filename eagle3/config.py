@@ -237,7 +237,7 @@ class LoopConfig:
     max_steps: Optional[int] = None  # optimizer steps; None = epochs over the data
     max_tokens_per_batch: int = 8192  # length-bucketed batches up to this many tokens
     grad_accum: int = 1
-    mixed_precision: str = "bf16"  # bf16 | no
+    mixed_precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | bf16 | no
     log_every: int = 10
     eval_every: Optional[int] = None  # None = at the end of each epoch
     save_every: int = 200
@@ -312,6 +312,7 @@ class EvaluateConfig:
     temperature: float = 0.0
     top_p: float = 1.0
     max_new_tokens: int = 128
+    max_prompt_tokens: int = 2048  # hf engine: longer rendered prompts are skipped (counted)
     warmup_prompts: int = 2
     concurrency: list[int] = field(default_factory=lambda: [1, 8, 32, 64, 128])  # sglang engine
     drafter_dir: Optional[str] = None  # default data/drafters/<model>/sharegpt/export/sglang

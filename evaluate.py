@@ -1,0 +1,17 @@
+"""Evaluate stage: speculative decoding with the trained drafter against the served target."""
+
+import hydra
+
+import eagle3  # noqa: F401  (registers the config schema)
+from eagle3.cli import run_stage
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="evaluate")
+def main(cfg):
+    from eagle3.evaluate import run_evaluate
+
+    return run_stage(run_evaluate, cfg)
+
+
+if __name__ == "__main__":
+    main()

