@@ -34,6 +34,13 @@ from eagle3.models import TargetInfo, load_target
 log = logging.getLogger("eagle3")
 
 LOGITS_CHUNK_BYTES = 1 << 29  # float32 logits per top-k chunk: 512 MiB
+# Batch sizes when the engine config leaves them unset (None), by device type.
+# cpu: small batches (2-16 cores; bigger ones only add padding); cuda: generation is
+# bound by per-step overhead, so wide batches are nearly free.
+DEFAULT_BATCH = {
+    "cpu": {"generate_batch_size": 16, "capture_batch_size": 16, "max_batch_tokens": 8192},
+    "cuda": {"generate_batch_size": 256, "capture_batch_size": 64, "max_batch_tokens": 65536},
+}
 
 
 def resolve_device(device: str) -> torch.device:
@@ -67,6 +74,31 @@ def _batches(lengths: list[int], max_items: int, max_tokens: int, extra: int = 0
     return out
 
 
+def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids [B, T] int64, attention_mask [B, T] int64)``, pads on the left, mask 0 there."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for r, s in enumerate(seqs):
+        ids[r, width - len(s):] = torch.tensor(s, dtype=torch.long)
+        mask[r, width - len(s):] = 1
+    return ids, mask
+
+
+def right_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask, position_ids)``, each ``[B, T]`` int64: pads on the
+    right (mask 0 there) and positions ``0..len-1`` for the real tokens, so each real token
+    is computed exactly as in its own unpadded sequence."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for r, s in enumerate(seqs):
+        ids[r, : len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[r, : len(s)] = 1
+    pos = torch.arange(width, dtype=torch.long).unsqueeze(0).expand(len(seqs), -1).contiguous()
+    return ids, mask, pos
+
+
 class HFEngine(Engine):
     """The target run in-process by transformers.
 
@@ -83,6 +115,8 @@ class HFEngine(Engine):
         self.target = target
         self.cfg = engine_cfg
         self.device = device
+        defaults = DEFAULT_BATCH["cuda" if device.type == "cuda" else "cpu"]
+        self.batch = {k: int(getattr(engine_cfg, k, None) or v) for k, v in defaults.items()}
         self.stop_ids = end_of_turn_ids(tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
         base = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
@@ -118,9 +152,9 @@ class HFEngine(Engine):
     # -------------------------------------------------------------- generation
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], sampling) -> list[list[int]]:
-        """Batched generation (see :meth:`Engine.generate`); batches of at most
-        ``engine.generate_batch_size`` prompts and ``engine.max_batch_tokens`` padded
-        prompt + new tokens, longest first, seeded with ``sampling.seed`` per call."""
+        """Batched generation (see :meth:`Engine.generate`): batches of at most
+        ``engine.generate_batch_size`` prompts, longest first, seeded with
+        ``sampling.seed`` per call when sampling."""
         from transformers import GenerationConfig
 
         if not prompts:
@@ -140,13 +174,9 @@ class HFEngine(Engine):
         lengths = [len(p) for p in prompts]
         out: list[Optional[list[int]]] = [None] * len(prompts)
         stop = set(self.stop_ids)
-        for idx in _batches(lengths, self.cfg.generate_batch_size, self.cfg.max_batch_tokens, int(sampling.max_new_tokens)):
+        for idx in _batches(lengths, self.batch["generate_batch_size"], 1 << 62):
             width = max(lengths[i] for i in idx)
-            ids = torch.full((len(idx), width), self.pad_id, dtype=torch.long)
-            mask = torch.zeros((len(idx), width), dtype=torch.long)
-            for r, i in enumerate(idx):  # left padding
-                ids[r, width - lengths[i]:] = torch.tensor(prompts[i], dtype=torch.long)
-                mask[r, width - lengths[i]:] = 1
+            ids, mask = left_pad([prompts[i] for i in idx], self.pad_id)
             gen = self.model.generate(
                 input_ids=ids.to(self.device), attention_mask=mask.to(self.device), generation_config=gen_cfg
             )
@@ -189,15 +219,8 @@ class HFEngine(Engine):
         lengths = [len(s) for s in sequences]
         out: list[Optional[Capture]] = [None] * len(sequences)
         chunk = max(1, LOGITS_CHUNK_BYTES // (4 * V))
-        for idx in _batches(lengths, self.cfg.capture_batch_size, self.cfg.max_batch_tokens):
-            width = max(lengths[i] for i in idx)
-            B = len(idx)
-            ids = torch.full((B, width), self.pad_id, dtype=torch.long)
-            mask = torch.zeros((B, width), dtype=torch.long)
-            for r, i in enumerate(idx):  # right padding: real tokens never see a pad
-                ids[r, : lengths[i]] = torch.tensor(sequences[i], dtype=torch.long)
-                mask[r, : lengths[i]] = 1
-            pos = torch.arange(width, dtype=torch.long).unsqueeze(0).expand(B, -1)
+        for idx in _batches(lengths, self.batch["capture_batch_size"], self.batch["max_batch_tokens"]):
+            ids, mask, pos = right_pad([sequences[i] for i in idx], self.pad_id)
             store: dict[int, torch.Tensor] = {}
             with self._aux_hooks(store):
                 hidden = self._base(

@@ -1,0 +1,432 @@
+"""The extract stage: regenerate responses with the served target, capture its features.
+
+Order of work (cheap checks first, so a misconfiguration fails in seconds):
+
+1. validate settings; resolve the target (a hub-only target costs nothing here; a
+   package target is built once into ``cache_dir``) and validate its aux layer ids;
+2. start the engine (``hf`` loads the model; ``sglang`` connects to / launches a
+   server, and says what is missing when it cannot);
+3. load the prompts, split them (deterministic by sample id), apply ``data.limit``;
+4. preflight: estimated bytes against free disk;
+5. per window of shards: regenerate every assistant turn in order, batched across
+   conversations (system prompt kept, user turns as given); render each conversation
+   with the chat template once (loss mask from token offsets, :mod:`eagle3.chat`);
+   truncate at ``capture.max_length``; capture; write each shard atomically.
+
+A run started again with the same settings resumes: written shards are kept (their
+checksums are verified) and the rest are extracted. Shards are grouped into fixed
+*windows* by index (enough conversations to fill the engine's generation batches);
+a window is always regenerated as a whole, so a resumed run batches every
+conversation exactly as an uninterrupted one does and gives the same tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from tqdm import tqdm
+
+from eagle3.errors import Eagle3Error
+
+log = logging.getLogger("eagle3")
+
+DISK_MARGIN = 1.10  # refuse unless free space >= 110% of the estimate
+
+
+def free_disk_bytes(path: Path) -> int:
+    """Free bytes on the file system holding ``path`` (its nearest existing parent)."""
+    p = Path(path).resolve()
+    while not p.exists():
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+def default_output_dir(cfg) -> Path:
+    return Path("data/features") / cfg.model.name / cfg.data.name
+
+
+def _versions() -> dict:
+    import compressed_tensors
+    import datasets
+    import safetensors
+    import torch
+    import transformers
+
+    import eagle3
+
+    return {
+        "eagle3": eagle3.__version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "compressed_tensors": compressed_tensors.__version__,
+        "datasets": datasets.__version__,
+        "safetensors": safetensors.__version__,
+    }
+
+
+def _check_settings(cfg) -> None:
+    cap, smp = cfg.capture, cfg.sampling
+    if cap.top_k < 1:
+        raise Eagle3Error(f"capture.top_k={cap.top_k} must be at least 1")
+    if cap.max_length < 2:
+        raise Eagle3Error(f"capture.max_length={cap.max_length} must be at least 2")
+    if smp.max_new_tokens < 1:
+        raise Eagle3Error(f"sampling.max_new_tokens={smp.max_new_tokens} must be at least 1")
+    if smp.temperature < 0 or not 0 < smp.top_p <= 1:
+        raise Eagle3Error("sampling.temperature must be >= 0 and sampling.top_p in (0, 1]")
+    if cap.shard_size_mb <= 0:
+        raise Eagle3Error(f"capture.shard_size_mb={cap.shard_size_mb} must be positive")
+
+
+def _generation_width(engine_cfg) -> int:
+    """How many conversations one generation window should hold (fills the engine's batches)."""
+    for key in ("generate_batch_size", "concurrency"):
+        v = getattr(engine_cfg, key, None)
+        if v:
+            return 4 * int(v)
+    from eagle3.engines.hf import DEFAULT_BATCH, resolve_device
+
+    dev = resolve_device(getattr(engine_cfg, "device", "auto")).type
+    return 4 * DEFAULT_BATCH["cuda" if dev == "cuda" else "cpu"]["generate_batch_size"]
+
+
+# ------------------------------------------------------------------ regeneration
+@dataclasses.dataclass
+class _Conv:
+    """A conversation being regenerated: its fixed turns and what has been generated."""
+
+    sample_id: str
+    prefix: list[dict]  # system messages + everything up to the next user turn
+    users: list[dict]  # user turns still to answer
+    done: bool = False
+    cut: bool = False  # stopped early: the next prompt would not fit in max_length
+
+
+def _plan_turns(messages: list[dict]) -> tuple[list[dict], list[dict]]:
+    """System messages (kept) and user turns (each gets a regenerated reply)."""
+    system = [dict(m) for m in messages if m["role"] == "system"][:1]
+    users = [dict(m) for m in messages if m["role"] == "user"]
+    return system, users
+
+
+def regenerate(engine, tokenizer, conversations: list[tuple[str, list[dict]]], sampling, max_length: int, seed: int) -> tuple[dict[str, list[dict]], dict[str, Any]]:
+    """Regenerate every assistant turn with the target, turn by turn, batched across
+    conversations.
+
+    For each conversation the system message (if any) and the user turns are kept; the
+    reply to user turn ``r`` is generated from the rendered conversation so far (with
+    the target's own earlier replies). A conversation stops early when its next prompt
+    would leave no room under ``max_length`` (later turns would be cut anyway), and
+    each reply is capped so that prompt + reply fits in ``max_length``.
+
+    Returns:
+        ``(messages by sample id, stats)``; a sample whose first prompt alone does not
+        fit is absent from the messages (``stats["too_long"]`` lists it).
+    """
+    from eagle3.chat import render_prompt
+
+    convs = []
+    for sid, msgs in conversations:
+        system, users = _plan_turns(msgs)
+        convs.append(_Conv(sid, system, users))
+    stats: dict[str, Any] = {"generated_tokens": 0, "turns": 0, "too_long": [], "cut_conversations": 0}
+    r = 0
+    while True:
+        active = [c for c in convs if not c.done and r < len(c.users)]
+        if not active:
+            break
+        prompts, owners = [], []
+        for c in active:
+            msgs = c.prefix + [c.users[r]]
+            ids = render_prompt(tokenizer, msgs)
+            if len(ids) >= max_length:
+                c.done = True
+                if r == 0:
+                    stats["too_long"].append(c.sample_id)
+                else:
+                    c.cut = True
+                    stats["cut_conversations"] += 1
+                continue
+            prompts.append(ids)
+            owners.append(c)
+        # group by the room left under max_length so no reply is generated past it
+        full = int(sampling.max_new_tokens)
+        groups: dict[int, list[int]] = {}
+        for j, ids in enumerate(prompts):
+            room = min(full, max_length - len(ids))
+            cap = full if room >= full else max(1, 1 << int(math.log2(room)))  # few distinct caps
+            groups.setdefault(cap, []).append(j)
+        replies: dict[int, list[int]] = {}
+        for cap, js in sorted(groups.items(), reverse=True):
+            smp = dataclasses.replace(sampling, max_new_tokens=cap, seed=seed * 1_000_003 + r * 101 + cap)
+            outs = engine.generate([prompts[j] for j in js], smp)
+            for j, out in zip(js, outs):
+                replies[j] = out
+        for j, c in enumerate(owners):
+            out = replies[j]
+            stats["generated_tokens"] += len(out)
+            stats["turns"] += 1
+            text = tokenizer.decode(out, skip_special_tokens=True)
+            c.prefix = c.prefix + [c.users[r], {"role": "assistant", "content": text}]
+        r += 1
+    result = {c.sample_id: c.prefix for c in convs if c.sample_id not in set(stats["too_long"])}
+    return result, stats
+
+
+# ------------------------------------------------------------------------ stage
+def _metadata(cfg, target, engine, tokenizer) -> dict:
+    from eagle3.chat import chat_template_hash
+
+    d = cfg.data
+    return {
+        "target": {
+            "name": target.name,
+            "source": target.source,
+            "content_hash": target.content_hash,
+            "architecture": target.architecture,
+            "num_layers": target.num_layers,
+            "hidden_size": target.hidden_size,
+            "vocab_size": target.vocab_size,
+            "quantization": target.quantization,
+            "dtype": target.dtype,
+        },
+        "aux_layer_ids": list(target.aux_layer_ids),
+        "aux_layer_convention": "hf_output_hidden_states",
+        "chat_template_hash": chat_template_hash(tokenizer),
+        "engine": engine.info(),
+        "sampling": dataclasses.asdict(cfg.sampling) if dataclasses.is_dataclass(cfg.sampling) else dict(cfg.sampling),
+        "regenerate": bool(cfg.capture.regenerate),
+        "capture": {"top_k": int(cfg.capture.top_k), "max_length": int(cfg.capture.max_length)},
+        "data": {
+            "name": d.name,
+            "source": d.source,
+            "path": d.path,
+            "seed": int(d.seed),
+            "fractions": {"validation": float(d.validation_fraction), "test": float(d.test_fraction)},
+            "splits": list(d.splits),
+            "limit": d.limit,
+        },
+        "versions": _versions(),
+    }
+
+
+def _estimate_tokens(tokenizer, rows: list[list[dict]], cfg) -> list[int]:
+    """Per conversation: rendered user/system turns + one reply of max_new_tokens per user
+    turn (or the original replies when not regenerating), capped at max_length."""
+    from eagle3.chat import render_prompt
+
+    est = []
+    for msgs in rows:
+        system, users = _plan_turns(msgs)
+        if cfg.capture.regenerate:
+            n = len(render_prompt(tokenizer, system + users)) + len(users) * int(cfg.sampling.max_new_tokens)
+        else:
+            n = len(render_prompt(tokenizer, msgs))
+        est.append(min(n, int(cfg.capture.max_length)))
+    return est
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def run_extract(cfg) -> dict:
+    """Run the extract stage for the typed :class:`eagle3.config.ExtractConfig`.
+
+    Returns:
+        The summary (also printed and stored in the manifest): samples, tokens, masked
+        tokens, truncated, dropped (with reasons), generated tokens, bytes, bytes per
+        token, wall time and tokens/s of this run, output folder.
+
+    Raises:
+        Eagle3Error: any user-fixable problem (bad settings, unknown source, missing
+            server/tokenizer, layer ids out of range, too little disk, a folder holding
+            another extraction); nothing is written before the preflight passes.
+    """
+    from eagle3 import features
+    from eagle3.chat import render_conversation
+    from eagle3.engines import build_engine
+    from eagle3.models import load_tokenizer, resolve_target
+    from eagle3.prompts import load_conversations, select_for_extraction
+
+    t_start = time.time()
+    _check_settings(cfg)
+    out_dir = Path(cfg.output_dir) if cfg.output_dir else default_output_dir(cfg)
+    cache_dir = Path(cfg.cache_dir)
+    max_length, top_k = int(cfg.capture.max_length), int(cfg.capture.top_k)
+
+    # 1-2. target and engine (a remote engine reports a missing server here, before any data work)
+    target = resolve_target(cfg.model, cache_dir)
+    engine = build_engine(cfg.model, cfg.engine, cache_dir, out_dir)
+    try:
+        tokenizer = getattr(engine, "tokenizer", None) or load_tokenizer(cfg.model, cache_dir, target)
+
+        # 3. prompts
+        data_stats: dict = {}
+        ds = load_conversations(cfg.data, data_stats)
+        sel = select_for_extraction(ds, cfg.data.splits, cfg.data.limit)
+        if len(sel) == 0:
+            raise Eagle3Error(f"no prompts selected from data={cfg.data.name} (splits {list(cfg.data.splits)}); check data.splits and data.limit")
+        ids, msgs_list, split_list = sel["id"], sel["messages"], sel["split"]
+        messages_by_id = dict(zip(ids, msgs_list))
+        plan = list(zip(ids, split_list))
+        splits = {s: [i for i, sp in zip(ds["id"], ds["split"]) if sp == s] for s in ("train", "validation", "test")}
+
+        # 4. preflight
+        est = _estimate_tokens(tokenizer, msgs_list, cfg)
+        per_shard = features.samples_per_shard(cfg.capture.shard_size_mb, target.hidden_size, top_k, sum(est) / len(est))
+        metadata = _metadata(cfg, target, engine, tokenizer)
+        done_ids: set[str] = set()
+        existing_bytes = 0
+        if (out_dir / features.MANIFEST).exists():
+            old = features.load_manifest(out_dir, require_complete=False)
+            per_shard = int(old.get("samples_per_shard", per_shard))
+            for sh in old.get("shards", []):
+                done_ids.update(p[0] for p in old["plan"][sh["index"] * per_shard:(sh["index"] + 1) * per_shard])
+                existing_bytes += int(sh.get("bytes", 0))
+        need = features.estimate_bytes(sum(n for i, n in zip(ids, est) if i not in done_ids), target.hidden_size, top_k)
+        free = free_disk_bytes(out_dir)
+        if need * DISK_MARGIN > free:
+            raise Eagle3Error(
+                f"extracting {len(plan)} prompts needs about {_human_bytes(need)} in {out_dir} but only "
+                f"{_human_bytes(free)} is free; free space, pass output_dir= on a larger disk, or lower "
+                "data.limit / capture.max_length"
+            )
+        log.info("extract: %d prompts (%s), about %s on disk, %d samples per shard", len(plan), data_stats, _human_bytes(need), per_shard)
+
+        # 5. extraction
+        writer = features.FeatureWriter.open(out_dir, metadata, plan, per_shard, splits=splits)
+        pending = writer.pending()
+        width = max(1, math.ceil(_generation_width(cfg.engine) / per_shard))  # shards per window
+        windows: dict[int, list[int]] = {}
+        for index, _ in pending:
+            windows.setdefault(index // width, []).append(index)
+        n_shard = int(writer.manifest["samples_per_shard"])
+        chunks = [plan[i : i + n_shard] for i in range(0, len(plan), n_shard)]
+        run_stats = {"samples": 0, "tokens": 0, "masked_tokens": 0, "generated_tokens": 0, "truncated": 0, "dropped": 0}
+        t_run = time.time()
+        bar = tqdm(total=sum(len(c) for _, c in pending), desc="extract", unit="sample", disable=None, file=sys.stderr)
+        for w, shard_indices in sorted(windows.items()):
+            window_shards = list(range(w * width, min((w + 1) * width, len(chunks))))
+            convs = [(sid, messages_by_id[sid]) for s in window_shards for sid, _ in chunks[s]]
+            if cfg.capture.regenerate:
+                final, gstats = regenerate(engine, tokenizer, convs, cfg.sampling, max_length, seed=cfg.sampling.seed + w)
+                too_long = set(gstats["too_long"])
+                run_stats["generated_tokens"] += gstats["generated_tokens"]
+            else:
+                final, too_long = dict(convs), set()
+            for index in shard_indices:
+                records_in, dropped = [], {}
+                for sid, split in chunks[index]:
+                    if sid in too_long:
+                        dropped[sid] = f"the first prompt alone reaches capture.max_length={max_length}"
+                        continue
+                    input_ids, mask = render_conversation(tokenizer, final[sid])
+                    truncated = len(input_ids) > max_length
+                    input_ids, mask = input_ids[:max_length], mask[:max_length]
+                    if sum(mask) == 0:
+                        dropped[sid] = f"no assistant token within capture.max_length={max_length}"
+                        continue
+                    run_stats["truncated"] += int(truncated)
+                    records_in.append((sid, split, input_ids, mask))
+                caps = engine.capture([r[2] for r in records_in], top_k) if records_in else []
+                records = [
+                    features.Record(sid, split, torch.tensor(ii, dtype=torch.int32), torch.tensor(mm, dtype=torch.uint8), cap)
+                    for (sid, split, ii, mm), cap in zip(records_in, caps)
+                ]
+                writer.write_shard(index, records, dropped)
+                n_tok = sum(len(r[2]) for r in records_in)
+                run_stats["samples"] += len(records)
+                run_stats["tokens"] += n_tok
+                run_stats["masked_tokens"] += sum(sum(r[3]) for r in records_in)
+                run_stats["dropped"] += len(dropped)
+                bar.update(len(chunks[index]))
+                elapsed = max(time.time() - t_run, 1e-9)
+                bar.set_postfix(tok_s=f"{run_stats['tokens'] / elapsed:.0f}", tokens=run_stats["tokens"])
+        bar.close()
+        wall = time.time() - t_run
+    finally:
+        engine.close()
+
+    # 6. summary (counts over the whole folder; timing of this run)
+    manifest = writer.manifest
+    shards = manifest["shards"]
+    tokens = sum(s["tokens"] for s in shards)
+    nbytes = sum(s["bytes"] for s in shards)
+    dropped_reasons: dict[str, int] = {}
+    for s in shards:
+        for reason in s["dropped"].values():
+            dropped_reasons[reason] = dropped_reasons.get(reason, 0) + 1
+    summary = {
+        "output_dir": str(out_dir),
+        "target": target.name,
+        "data": cfg.data.name,
+        "prompts": len(plan),
+        "samples": sum(len(s["samples"]) for s in shards),
+        "tokens": tokens,
+        "masked_tokens": sum(s["masked_tokens"] for s in shards),
+        "truncated": sum(1 for s in shards for x in s["samples"] if x["length"] >= max_length),
+        "dropped": sum(dropped_reasons.values()),
+        "dropped_reasons": dropped_reasons,
+        "bytes": nbytes,
+        "bytes_per_token": nbytes / tokens if tokens else 0.0,
+        "data_stats": data_stats,
+        "this_run": {
+            **run_stats,
+            "wall_time_s": wall,
+            "total_time_s": time.time() - t_start,
+            "tokens_per_s": run_stats["tokens"] / wall if wall > 0 else 0.0,
+            "resumed_shards": len(chunks) - len(pending),
+        },
+    }
+    writer.finalize(summary)
+    print(format_summary(summary))
+    return summary
+
+
+def format_summary(s: dict) -> str:
+    """The summary as a few human-readable lines."""
+    r = s["this_run"]
+    lines = [
+        f"extract: {s['target']} on {s['data']} -> {s['output_dir']}",
+        f"  samples {s['samples']} of {s['prompts']} prompts | tokens {s['tokens']} | masked (assistant) tokens {s['masked_tokens']}",
+        f"  truncated at max_length {s['truncated']} | dropped {s['dropped']}"
+        + (f" ({'; '.join(f'{v}: {k}' for k, v in s['dropped_reasons'].items())})" if s["dropped"] else ""),
+        f"  bytes {_human_bytes(s['bytes'])} | bytes per token {s['bytes_per_token']:.0f}",
+        f"  this run: {r['samples']} samples, {r['tokens']} tokens captured, {r['generated_tokens']} generated, "
+        f"wall time {r['wall_time_s']:.1f} s (total {r['total_time_s']:.1f} s), {r['tokens_per_s']:.1f} tokens/s"
+        + (f", {r['resumed_shards']} shards kept from an earlier run" if r["resumed_shards"] else ""),
+    ]
+    return "\n".join(lines)
+
+
+def unknown_group_choice(overrides: list[str], conf_dir: Path, groups=("model", "data", "engine")) -> Optional[str]:
+    """One sentence naming an unknown config-group choice on the command line, or None.
+
+    Hydra reports a missing group option with a multi-line message and a traceback
+    hint; the entry point checks the overrides first (``model=NAME``, ``+model=NAME``,
+    comma lists for ``--multirun``) and lists the available ``conf/<group>/*.yaml``.
+    """
+    for ov in overrides:
+        key, sep, value = ov.lstrip("+").partition("=")
+        if not sep or key not in groups:
+            continue
+        avail = sorted(p.stem for p in (Path(conf_dir) / key).glob("*.yaml"))
+        for choice in value.split(","):
+            choice = choice.strip()
+            if choice and all(ch.isalnum() or ch in "-_." for ch in choice) and choice not in avail:
+                return f"{key} '{choice}' is unknown; available {key} configs: {', '.join(avail)}"
+    return None
