@@ -286,9 +286,10 @@ def quantize_w4a16_(model: torch.nn.Module, q: dict) -> int:
         module.weight_scale.data.copy_(scale.to(module.weight_scale.dtype))
         if hasattr(module, "weight_zero_point"):
             module.weight_zero_point.data.copy_(zp.to(module.weight_zero_point.dtype))
-        module.weight.data.copy_(
-            fake_quantize(w, module.weight_scale, getattr(module, "weight_zero_point", None), args)
-        )
+        # round to nearest in float32 (bf16 division would move ~1% of values across a .5 boundary)
+        zp32 = getattr(module, "weight_zero_point", None)
+        fq = fake_quantize(w.float(), module.weight_scale.float(), zp32, args)
+        module.weight.data.copy_(fq.to(w.dtype))
         module.quantization_status = QuantizationStatus.FROZEN
         n += 1
     return n
