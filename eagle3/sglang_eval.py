@@ -16,7 +16,8 @@ the second turn carrying the first answer). Measured as ``sglang.bench_serving``
   drafter that never hits gives ``n / (n - 1)``, not exactly 1; ``acceptance_length_
   verify_only`` drops that token, the hf engine's convention); acceptance rate = sum
   ``spec_num_correct_drafts`` / sum ``spec_num_proposed_drafts``; per-position
-  acceptance from the summed ``spec_correct_drafts_histogram``;
+  acceptance from the summed ``spec_correct_drafts_histogram`` (definitions of
+  :mod:`eagle3.metrics`, shared with the hf engine, as is the output diversity);
 * speed-up = speculative output tokens/s / baseline output tokens/s at the same
   concurrency.
 
@@ -37,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from eagle3 import metrics
 from eagle3.engines import sglang as sg
 from eagle3.errors import Eagle3Error
 
@@ -83,30 +85,13 @@ def percentiles_ms(values: list[float]) -> dict[str, Optional[float]]:
             "p90": float(np.percentile(a, 90)), "p99": float(np.percentile(a, 99))}
 
 
-def per_position_acceptance(histogram: list[int], positions: int | None = None) -> list[float]:
-    """From ``h[j]`` = verify passes that accepted exactly ``j`` drafts: entry ``i`` is
-    the fraction of passes that accepted at least ``i + 1`` drafts (draft position
-    ``i`` accepted), ``i = 0 .. positions - 1``. SGLang's histogram only grows to the
-    largest count seen, so ``positions`` (the draft depth, ``num_steps``) pads it."""
-    total = sum(histogram)
-    if not total:
-        return []
-    n = len(histogram) - 1 if positions is None else int(positions)
-    return [sum(histogram[i + 1:]) / total for i in range(n)]
-
-
-def diversity(outputs: list[list[int]], n: int = 4) -> dict[str, Optional[float]]:
-    """Output diversity (repetitive outputs inflate tau): distinct-n = unique n-grams /
-    n-grams within each output, averaged over outputs (token ids, n = 1 and ``n``)."""
-    def distinct(seq: list[int], k: int) -> Optional[float]:
-        grams = [tuple(seq[i:i + k]) for i in range(len(seq) - k + 1)]
-        return len(set(grams)) / len(grams) if grams else None
-
-    out: dict[str, Optional[float]] = {}
-    for k in (1, n):
-        vals = [v for v in (distinct(o, k) for o in outputs) if v is not None]
-        out[f"distinct_{k}"] = sum(vals) / len(vals) if vals else None
-    return out
+def padded_histogram(histogram: list[int], num_steps: int | None) -> list[int]:
+    """SGLang's ``spec_correct_drafts_histogram`` only grows to the largest count seen;
+    pad it to ``num_steps + 1`` entries (``h[j]``, ``j = 0 .. num_steps``)."""
+    h = [int(v) for v in histogram]
+    if num_steps is not None and len(h) < num_steps + 1:
+        h += [0] * (num_steps + 1 - len(h))
+    return h
 
 
 def summarize(records: list[RequestRecord], duration_s: float, positions: int | None = None) -> dict:
@@ -133,14 +118,24 @@ def summarize(records: list[RequestRecord], duration_s: float, positions: int | 
         prop = sum(r.spec_num_proposed_drafts or 0 for r in with_ct)
         corr = sum(r.spec_num_correct_drafts or 0 for r in with_ct)
         out["acceptance_rate"] = corr / prop if prop else None
+        out["accepted_drafts"] = corr
+        out["proposed_drafts"] = prop
         hist: list[int] = []
         for r in with_ct:
             for j, c in enumerate(r.spec_correct_drafts_histogram or []):
                 if j >= len(hist):
                     hist.extend([0] * (j + 1 - len(hist)))
                 hist[j] += int(c)
-        out["correct_drafts_histogram"] = hist or None
-        out["per_position_acceptance"] = per_position_acceptance(hist, positions) if hist else None
+        if hist:
+            hist = padded_histogram(hist, positions)
+            out["accept_histogram"] = hist
+            out["per_position_acceptance"] = metrics.per_position_acceptance(hist)
+            out["conditional_acceptance"] = metrics.conditional_acceptance(hist)
+        else:
+            out["accept_histogram"] = out["per_position_acceptance"] = out["conditional_acceptance"] = None
+        clean = [r for r in with_ct if not metrics.is_loop(r.output_ids, metrics.longest_loop(r.output_ids)[0])]
+        cp = sum(r.spec_verify_ct for r in clean)
+        out["acceptance_length_non_looping"] = sum(r.completion_tokens for r in clean) / cp if cp else None
     return out
 
 
@@ -385,25 +380,38 @@ def build_results(
                 "effective_concurrency": min(c, n_jobs),
                 "baseline": base,
                 "speculative": spec,
-                "speedup": _ratio(spec["output_tokens_per_s"], base["output_tokens_per_s"]),
+                "speedup": metrics.ratio(spec["output_tokens_per_s"], base["output_tokens_per_s"]),
             })
         row = table[conc.index(head)]
         spec, base = row["speculative"], row["baseline"]
         recs = runs["speculative"][head][name][0]
         benchmarks[name] = {
-            "prompts": len({r.sample_id for r in recs}),
+            "num_prompts": len({r.sample_id for r in recs}),
+            "num_turns": spec["requests"],
             "requests": spec["requests"],
             "acceptance_length": spec.get("acceptance_length"),
             "acceptance_length_verify_only": spec.get("acceptance_length_verify_only"),
+            "acceptance_length_non_looping": spec.get("acceptance_length_non_looping"),
             "acceptance_rate": spec.get("acceptance_rate"),
             "verify_passes": spec.get("verify_passes"),
             "generated_tokens": spec["output_tokens"],
+            "accepted_drafts": spec.get("accepted_drafts"),
+            "proposed_drafts": spec.get("proposed_drafts"),
+            "accept_histogram": spec.get("accept_histogram"),
             "per_position_acceptance": spec.get("per_position_acceptance"),
+            "conditional_acceptance": spec.get("conditional_acceptance"),
             "tokens_per_s_spec": spec["output_tokens_per_s"],
             "tokens_per_s_base": base["output_tokens_per_s"],
             "speedup": row["speedup"],
             "lossless_matches": None,
-            "diversity": diversity([r.output_ids for r in recs]),
+            "lossless_checked": None,
+            "diversity": metrics.diversity([r.output_ids for r in recs]),
+            "output_tokens_spec": spec["output_tokens"],
+            "output_tokens_base": base["output_tokens"],
+            "ttft_ms_spec": spec["ttft_ms"],
+            "tpot_ms_spec": spec["tpot_ms"],
+            "ttft_ms_base": base["ttft_ms"],
+            "tpot_ms_base": base["tpot_ms"],
             "measured_at_concurrency": head,
             "concurrency": table,
         }
@@ -415,7 +423,7 @@ def build_results(
             dur = sum(runs[role][c][name][1] for name in names)
             agg[role] = summarize(recs, dur, positions=depth)
         overall.append({"concurrency": c, "baseline": agg["baseline"], "speculative": agg["speculative"],
-                        "speedup": _ratio(agg["speculative"]["output_tokens_per_s"], agg["baseline"]["output_tokens_per_s"])})
+                        "speedup": metrics.ratio(agg["speculative"]["output_tokens_per_s"], agg["baseline"]["output_tokens_per_s"])})
     return {
         "engine": "sglang",
         "benchmarks": benchmarks,
@@ -430,10 +438,6 @@ def build_results(
         "warnings": warnings,
         "plots": {"throughput_vs_concurrency": PLOT_NAME},
     }
-
-
-def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
-    return a / b if a is not None and b else None
 
 
 def plot_throughput(results: dict, path: Path) -> Path:

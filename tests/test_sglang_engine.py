@@ -24,7 +24,7 @@ from eagle3.engines import sglang as sg
 from eagle3.errors import Eagle3Error
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fake_sglang import FakeConfig, FakeSGLang, aux_value, greedy_reply, topk_after  # noqa: E402
+from fake_sglang import FakeConfig, FakeSGLang, aux_value, greedy_reply, topk_after, write_tiny_chat_tokenizer  # noqa: E402
 
 H, V = 8, 512
 
@@ -415,3 +415,75 @@ def test_cli_prints_the_capture_command_with_a_bootstrap_drafter(tmp_path, capsy
     line = out.out.strip()
     assert line.startswith(f"{sys.executable} -m sglang.launch_server --model-path moonshotai/Kimi-K2.5 --tp 8")
     assert f"--speculative-draft-model-path {Path(boot).resolve()}" in line and "--port 31000" in line
+
+
+# ------------------------------------------------------------------ the extract stage end to end
+def _compose_extract(overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        return compose(config_name="extract", overrides=overrides)
+
+
+def test_extract_kimi_without_server_or_sglang_is_one_line(tmp_path, capsys):
+    from eagle3.cli import run_stage
+    from eagle3.extract import run_extract
+
+    cfg = _compose_extract(["model=kimi-k25-int4", f"engine.python={sys.executable}", f"output_dir={tmp_path / 'f'}"])
+    with pytest.raises(SystemExit) as e:
+        run_stage(run_extract, cfg)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: no SGLang server is configured (engine.url)")
+    assert "engine.url=http://HOST:PORT" in err[0]
+
+
+def test_extract_kimi_against_the_loopback_server(tmp_path):
+    """``python extract.py model=kimi-k25-int4 engine.url=...`` with Kimi's sizes shrunk
+    to the fake's (hidden 8) and a small local word-level ChatML tokenizer (512 tokens,
+    EOS ``<|im_end|>`` = 2), since Kimi's own tokenizer is not available here."""
+    import json as _json
+
+    from eagle3.cli import run_stage
+    from eagle3.extract import run_extract
+    from eagle3.features import FeatureDataset, load_manifest
+
+    tokenizer_dir = write_tiny_chat_tokenizer(tmp_path / "tok", V)
+    vocab, eos = V, 2
+    data = tmp_path / "chats.jsonl"
+    with open(data, "w") as f:
+        for i in range(5):
+            f.write(_json.dumps({"messages": [{"role": "user", "content": f"w{100 + i} w{200 + 2 * i} w17"},
+                                              {"role": "assistant", "content": "w9 w9"}]}) + "\n")
+    srv = FakeSGLang(FakeConfig(hidden_size=H, vocab_size=vocab, eos_token_id=eos, model_path="moonshotai/Kimi-K2.5"))
+    srv.start()
+    try:
+        out = tmp_path / "features"
+        cfg = _compose_extract([
+            "model=kimi-k25-int4", f"engine.url={srv.url}", f"model.tokenizer={tokenizer_dir}",
+            f"model.hidden_size={H}", f"model.vocab_size={vocab}", "data=jsonl", f"data.path={data}",
+            "data.validation_fraction=0", "data.test_fraction=0", "sampling.max_new_tokens=12", "capture.top_k=4",
+            f"output_dir={out}", f"cache_dir={tmp_path / 'cache'}",
+        ])
+        summary = run_stage(run_extract, cfg)
+    finally:
+        srv.stop()
+    assert summary["samples"] == 5
+    man = load_manifest(out)
+    eng = man["metadata"]["engine"]
+    assert eng["name"] == "sglang" and eng["server_version"] == "0.5.23"
+    assert eng["effective"]["speculative_algorithm"] == "EAGLE3" and eng["effective"]["disable_radix_cache"] is True
+    assert man["metadata"]["aux_layer_ids"] == [2, 30, 58]
+    ds = FeatureDataset(out, splits=("train",))
+    assert len(ds) == 5
+    for i in range(len(ds)):
+        rec = ds[i]
+        seq = rec["input_ids"].tolist()
+        T = len(seq)
+        assert rec["aux_hidden_states"].shape == (T, 3, H)
+        aux = torch.tensor([[[aux_value(seq[t], t, j, c) for c in range(H)] for j in range(3)] for t in range(T)])
+        assert torch.equal(rec["aux_hidden_states"].float(), aux)
+        want = torch.tensor([[tid for _, tid in topk_after(seq[t], 4, vocab)] for t in range(T)], dtype=torch.int32)
+        assert torch.equal(rec["topk_ids"], want)
+        assert 0 < int(rec["loss_mask"].sum()) < T

@@ -85,6 +85,7 @@ def test_sweep_reports_tau_throughput_and_plot(tokenizer_dir, servers, tmp_path)
                     "tokens_per_s_spec", "tokens_per_s_base", "speedup", "lossless_matches", "diversity", "concurrency"):
             assert key in r, key
         assert r["lossless_matches"] is None and r["requests"] == turns
+        assert len(r["per_position_acceptance"]) == 3 and len(r["accept_histogram"]) == 4
         assert [row["concurrency"] for row in r["concurrency"]] == [1, 4]
         assert r["speedup"] == pytest.approx(r["tokens_per_s_spec"] / r["tokens_per_s_base"])
 
@@ -167,9 +168,7 @@ def test_no_servers_and_no_sglang(tokenizer_dir, tmp_path):
 def test_measure_helpers_by_hand():
     p = se.percentiles_ms([0.001, 0.002, 0.003, 0.004])
     assert p["mean"] == pytest.approx(2.5) and p["p50"] == pytest.approx(2.5) and p["p90"] == pytest.approx(3.7)
-    assert se.per_position_acceptance([5, 3, 2]) == pytest.approx([0.5, 0.2])
-    d = se.diversity([[1, 1, 1, 1, 1], [1, 2, 3, 4, 5]], n=4)
-    assert d["distinct_1"] == pytest.approx((1 / 5 + 1) / 2) and d["distinct_4"] == pytest.approx((1 / 2 + 1) / 2)
+    assert se.padded_histogram([5, 3], 3) == [5, 3, 0, 0] and se.padded_histogram([5, 3, 2, 1], 3) == [5, 3, 2, 1]
     r = se.RequestRecord("b", "s", 0, 10, 5, ttft_s=0.1, latency_s=0.5, output_ids=[])
     assert r.tpot_s == pytest.approx(0.1)
     assert se.cap_warnings("speculative", {"max_running_requests": 48, "effective_max_running_requests": 48,
