@@ -173,3 +173,44 @@ def test_measure_helpers_by_hand():
     assert r.tpot_s == pytest.approx(0.1)
     assert se.cap_warnings("speculative", {"max_running_requests": 48, "effective_max_running_requests": 48,
                                            "cuda_graph_max_bs": 48}, [1, 32, 64, 128])[0].count("[64, 128]") == 1
+
+
+def test_evaluate_stage_end_to_end_writes_the_hf_report_files(tokenizer_dir, servers, tmp_path):
+    """``python evaluate.py model=kimi-k25-int4 engine=sglang engine.baseline_url=...
+    engine.speculative_url=...`` against two loopback servers (Kimi sizes shrunk)."""
+    import torch
+    from hydra import compose, initialize_config_dir
+    from transformers import AutoTokenizer
+
+    from eagle3.chat import chat_template_hash
+    from eagle3.cli import to_typed
+    from eagle3.drafter import DrafterArch, Eagle3Drafter
+    from eagle3.evaluate import run_evaluate
+    from eagle3.export import export_sglang
+
+    export = tmp_path / "export" / "sglang"
+    arch = DrafterArch(hidden_size=4, num_attention_heads=2, num_key_value_heads=2, head_dim=4, intermediate_size=8,
+                       num_layers=1, target_hidden_size=4, vocab_size=V, draft_vocab_size=64)
+    torch.manual_seed(0)
+    meta = {"aux_layer_ids": [2, 30, 58], "target": {"name": "kimi-k25-int4", "architecture": "deepseek_v2"},
+            "chat_template_hash": chat_template_hash(AutoTokenizer.from_pretrained(tokenizer_dir))}
+    export_sglang(Eagle3Drafter(arch), export, meta)
+    base = servers(speculative=False, step_s=0.002)
+    spec = servers(speculative=True, draft_model_path=str(export), step_s=0.002)
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = to_typed(compose(config_name="evaluate", overrides=[
+            "model=kimi-k25-int4", "engine=sglang", f"engine.baseline_url={base.url}", f"engine.speculative_url={spec.url}",
+            f"model.tokenizer={tokenizer_dir}", "model.hidden_size=4", f"model.vocab_size={V}", f"drafter_dir={export}",
+            "data.names=[gsm8k]", "data.limit=3", "concurrency=[1,2]", "max_new_tokens=8", f"output_dir={tmp_path / 'eval'}",
+        ]))
+    res = run_evaluate(cfg)
+    out = tmp_path / "eval"
+    for f in ("report.json", "report.md", "metrics.json", "per_position_acceptance.png", "acceptance_length.png",
+              se.PLOT_NAME, se.REQUESTS_NAME):
+        assert (out / f).is_file(), f
+    rep = json.loads((out / "report.json").read_text())
+    g = rep["benchmarks"]["gsm8k"]
+    assert g["num_prompts"] == 3 and "verdict" in g and [r["concurrency"] for r in g["concurrency"]] == [1, 2]
+    assert rep["engine"] == "sglang" and res["plots"]["throughput_vs_concurrency"] == se.PLOT_NAME
+    assert "Throughput versus concurrency" in (out / "report.md").read_text()
