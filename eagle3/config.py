@@ -177,7 +177,7 @@ class CaptureConfig:
 
     top_k: int = 20  # target next-token distribution kept as top-k ids + log-probs
     max_length: int = 2048  # tokens per sample; longer samples are truncated (counted)
-    shard_size_mb: int = 256
+    shard_size_mb: float = 256.0  # MB of features per shard (sets samples per shard)
     regenerate: bool = True  # regenerate assistant turns with the target
 
 
