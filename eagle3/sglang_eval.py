@@ -235,10 +235,6 @@ class Server:
             self.launched = None
 
 
-def default_drafter_dir(cfg: Any) -> Path:
-    return Path(cfg.drafter_dir) if cfg.drafter_dir else Path("data/drafters") / cfg.model.name / "sharegpt" / "export" / "sglang"
-
-
 def open_server(role: str, cfg: Any, run_dir: Path) -> Server:
     """Connect to ``engine.<role>_url`` or launch the server for ``role``.
 
@@ -260,6 +256,8 @@ def open_server(role: str, cfg: Any, run_dir: Path) -> Server:
             )
         spec = None
         if role == "speculative":
+            from eagle3.evaluate import default_drafter_dir
+
             d = default_drafter_dir(cfg)
             if not (d / "config.json").is_file():
                 raise Eagle3Error(f"no SGLang drafter export at {d}; train one first or set drafter_dir=<export/sglang folder>")

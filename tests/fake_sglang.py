@@ -519,3 +519,23 @@ def write_tiny_chat_tokenizer(folder, vocab_size: int = 512) -> str:
     Path(folder).mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(str(folder))
     return str(folder)
+
+
+def write_launch_shim(folder) -> str:
+    """A ``sglang`` package in ``folder`` whose ``launch_server`` runs this fake (put
+    ``folder`` on ``PYTHONPATH``); ``--help`` lists :data:`FLAGS`."""
+    from pathlib import Path
+
+    pkg = Path(folder) / "sglang"
+    pkg.mkdir(parents=True, exist_ok=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "launch_server.py").write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})\n"
+        "import fake_sglang\n"
+        "if '--help' in sys.argv[1:]:\n"
+        "    print(fake_sglang.help_text())\n"
+        "    sys.exit(0)\n"
+        "fake_sglang.main(sys.argv[1:])\n"
+    )
+    return str(folder)

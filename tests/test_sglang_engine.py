@@ -10,7 +10,6 @@ import math
 import os
 import shlex
 import sys
-import textwrap
 import time
 from collections import Counter
 from pathlib import Path
@@ -24,7 +23,7 @@ from eagle3.engines import sglang as sg
 from eagle3.errors import Eagle3Error
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fake_sglang import FakeConfig, FakeSGLang, aux_value, greedy_reply, topk_after, write_tiny_chat_tokenizer  # noqa: E402
+from fake_sglang import FakeConfig, FakeSGLang, aux_value, greedy_reply, topk_after, write_launch_shim, write_tiny_chat_tokenizer  # noqa: E402
 
 H, V = 8, 512
 
@@ -325,19 +324,7 @@ def test_unknown_flags_respects_argparse_prefixes():
 @pytest.fixture
 def fake_sglang_package(tmp_path, monkeypatch):
     """A ``sglang.launch_server`` module that runs the fake server, on PYTHONPATH."""
-    pkg = tmp_path / "shim" / "sglang"
-    pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text("")
-    (pkg / "launch_server.py").write_text(textwrap.dedent(f"""
-        import sys
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
-        import fake_sglang
-        if "--help" in sys.argv[1:]:
-            print(fake_sglang.help_text())
-            sys.exit(0)
-        fake_sglang.main(sys.argv[1:])
-    """))
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "shim"))
+    monkeypatch.setenv("PYTHONPATH", write_launch_shim(tmp_path / "shim"))
     monkeypatch.setenv("FAKE_SGLANG_HIDDEN", str(H))
     monkeypatch.setenv("FAKE_SGLANG_VOCAB", str(V))
     return tmp_path

@@ -214,3 +214,31 @@ def test_evaluate_stage_end_to_end_writes_the_hf_report_files(tokenizer_dir, ser
     assert g["num_prompts"] == 3 and "verdict" in g and [r["concurrency"] for r in g["concurrency"]] == [1, 2]
     assert rep["engine"] == "sglang" and res["plots"]["throughput_vs_concurrency"] == se.PLOT_NAME
     assert "Throughput versus concurrency" in (out / "report.md").read_text()
+
+
+def test_servers_are_launched_in_turn_when_no_urls(tokenizer_dir, tmp_path, monkeypatch):
+    """No URLs: the baseline, then the speculative server (with the drafter export and
+    the configured 3/1/4) are launched through ``sglang.launch_server`` on the same port."""
+    from fake_sglang import write_launch_shim
+
+    monkeypatch.setenv("PYTHONPATH", write_launch_shim(tmp_path / "shim"))
+    monkeypatch.setenv("FAKE_SGLANG_VOCAB", str(V))
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "config.json").write_text(json.dumps({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}}))
+    from eagle3.engines.sglang import free_port
+
+    cfg = make_cfg(tokenizer_dir, None, None, concurrency=(2,))
+    cfg.engine.python = sys.executable
+    cfg.engine.port = free_port()
+    cfg.engine.health_poll_s = 0.1
+    cfg.drafter_dir = str(export)
+    res = se.run_sglang_evaluation(cfg, {"gsm8k": benchmarks()["gsm8k"]}, {"aux_layer_ids": [2, 4, 5]}, tmp_path / "out")
+    base_cmd = (tmp_path / "out" / "sglang-baseline.cmd").read_text()
+    spec_cmd = (tmp_path / "out" / "sglang-speculative.cmd").read_text()
+    assert "--speculative-algorithm" not in base_cmd and "--max-running-requests 128" in base_cmd
+    assert f"--speculative-draft-model-path {export.resolve()}" in spec_cmd
+    assert "--speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4" in spec_cmd
+    assert "--cuda-graph-max-bs-decode 128" in spec_cmd  # the spelling the server's --help lists
+    assert res["benchmarks"]["gsm8k"]["acceptance_length"] > 1
+    assert res["servers"]["speculative"]["effective"]["max_running_requests"] == 128

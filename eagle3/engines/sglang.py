@@ -1359,7 +1359,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"# bootstrap drafter: {boot}", file=sys.stderr)
             spec = dict(CAPTURE_SPEC, draft_model_path=str(boot.resolve()))
         elif mode == "speculative":
-            from eagle3.sglang_eval import default_drafter_dir
+            from eagle3.evaluate import default_drafter_dir
 
             spec = {"draft_model_path": str(default_drafter_dir(cfg).resolve()), "num_steps": cfg.speculative.num_steps,
                     "topk": cfg.speculative.topk, "num_draft_tokens": cfg.speculative.num_draft_tokens}
