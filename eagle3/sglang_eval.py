@@ -31,10 +31,9 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 

@@ -6,8 +6,6 @@ topk_after, greedy_reply), so a wrong position shift, reshape or stop-token rule
 
 from __future__ import annotations
 
-import math
-import os
 import shlex
 import sys
 import time
@@ -18,7 +16,7 @@ import pytest
 import torch
 
 import eagle3  # noqa: F401
-from eagle3.config import ModelConfig, SamplingConfig, SGLangEngineConfig, ServeConfig
+from eagle3.config import ModelConfig, SamplingConfig, SGLangEngineConfig
 from eagle3.engines import sglang as sg
 from eagle3.errors import Eagle3Error
 

@@ -50,7 +50,6 @@ from ``input_top_logprobs[t + 1]`` for ``t < T - 1`` and, for the last position,
 from __future__ import annotations
 
 import http.client
-import importlib.util
 import json
 import logging
 import os
@@ -64,9 +63,9 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 
