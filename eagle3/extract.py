@@ -40,6 +40,16 @@ from eagle3.errors import Eagle3Error
 log = logging.getLogger("eagle3")
 
 DISK_MARGIN = 1.10  # refuse unless free space >= 110% of the estimate
+STATS_FILE = "extract_stats.json"  # per-shard counts the manifest does not keep (truncations, generated tokens)
+
+
+def _read_side(path: Path) -> dict:
+    import json
+
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def free_disk_bytes(path: Path) -> int:
@@ -130,7 +140,9 @@ def regenerate(engine, tokenizer, conversations: list[tuple[str, list[dict]]], s
 
     Returns:
         ``(messages by sample id, stats)``; a sample whose first prompt alone does not
-        fit is absent from the messages (``stats["too_long"]`` lists it).
+        fit is absent from the messages (``stats["too_long"]`` lists it);
+        ``stats["cut"]`` lists conversations stopped before their last user turn and
+        ``stats["generated_by_id"]`` the generated tokens per sample.
     """
     from eagle3.chat import render_prompt
 
@@ -138,7 +150,7 @@ def regenerate(engine, tokenizer, conversations: list[tuple[str, list[dict]]], s
     for sid, msgs in conversations:
         system, users = _plan_turns(msgs)
         convs.append(_Conv(sid, system, users))
-    stats: dict[str, Any] = {"generated_tokens": 0, "turns": 0, "too_long": [], "cut_conversations": 0}
+    stats: dict[str, Any] = {"generated_tokens": 0, "turns": 0, "too_long": [], "cut": [], "generated_by_id": {}}
     r = 0
     while True:
         active = [c for c in convs if not c.done and r < len(c.users)]
@@ -154,7 +166,7 @@ def regenerate(engine, tokenizer, conversations: list[tuple[str, list[dict]]], s
                     stats["too_long"].append(c.sample_id)
                 else:
                     c.cut = True
-                    stats["cut_conversations"] += 1
+                    stats["cut"].append(c.sample_id)
                 continue
             prompts.append(ids)
             owners.append(c)
@@ -174,6 +186,7 @@ def regenerate(engine, tokenizer, conversations: list[tuple[str, list[dict]]], s
         for j, c in enumerate(owners):
             out = replies[j]
             stats["generated_tokens"] += len(out)
+            stats["generated_by_id"][c.sample_id] = stats["generated_by_id"].get(c.sample_id, 0) + len(out)
             stats["turns"] += 1
             text = tokenizer.decode(out, skip_special_tokens=True)
             c.prefix = c.prefix + [c.users[r], {"role": "assistant", "content": text}]
@@ -219,20 +232,23 @@ def _metadata(cfg, target, engine, tokenizer) -> dict:
     }
 
 
-def _estimate_tokens(tokenizer, rows: list[list[dict]], cfg) -> list[int]:
+def _estimate_tokens(tokenizer, rows: list[list[dict]], cfg) -> tuple[list[int], int]:
     """Per conversation: rendered user/system turns + one reply of max_new_tokens per user
-    turn (or the original replies when not regenerating), capped at max_length."""
+    turn (or the original replies when not regenerating), capped at max_length; and the
+    number of conversations whose first prompt alone reaches max_length."""
     from eagle3.chat import render_prompt
 
-    est = []
+    est, too_long = [], 0
+    max_length = int(cfg.capture.max_length)
     for msgs in rows:
         system, users = _plan_turns(msgs)
+        too_long += len(render_prompt(tokenizer, system + users[:1])) >= max_length
         if cfg.capture.regenerate:
             n = len(render_prompt(tokenizer, system + users)) + len(users) * int(cfg.sampling.max_new_tokens)
         else:
             n = len(render_prompt(tokenizer, msgs))
-        est.append(min(n, int(cfg.capture.max_length)))
-    return est
+        est.append(min(n, max_length))
+    return est, too_long
 
 
 def _human_bytes(n: float) -> str:
@@ -286,7 +302,12 @@ def run_extract(cfg) -> dict:
         splits = {s: [i for i, sp in zip(ds["id"], ds["split"]) if sp == s] for s in ("train", "validation", "test")}
 
         # 4. preflight
-        est = _estimate_tokens(tokenizer, msgs_list, cfg)
+        est, too_long = _estimate_tokens(tokenizer, msgs_list, cfg)
+        if too_long == len(est):
+            raise Eagle3Error(
+                f"the first prompt of every selected conversation ({too_long}) alone reaches "
+                f"capture.max_length={max_length}, so nothing is trainable; raise capture.max_length or use shorter prompts"
+            )
         per_shard = features.samples_per_shard(cfg.capture.shard_size_mb, target.hidden_size, top_k, sum(est) / len(est))
         metadata = _metadata(cfg, target, engine, tokenizer)
         done_ids: set[str] = set()
@@ -317,6 +338,8 @@ def run_extract(cfg) -> dict:
         n_shard = int(writer.manifest["samples_per_shard"])
         chunks = [plan[i : i + n_shard] for i in range(0, len(plan), n_shard)]
         run_stats = {"samples": 0, "tokens": 0, "masked_tokens": 0, "generated_tokens": 0, "truncated": 0, "dropped": 0}
+        side_path = out_dir / STATS_FILE
+        side = _read_side(side_path) if len(pending) < len(chunks) else {}
         t_run = time.time()
         bar = tqdm(total=sum(len(c) for _, c in pending), desc="extract", unit="sample", disable=None, file=sys.stderr)
         for w, shard_indices in sorted(windows.items()):
@@ -324,34 +347,40 @@ def run_extract(cfg) -> dict:
             convs = [(sid, messages_by_id[sid]) for s in window_shards for sid, _ in chunks[s]]
             if cfg.capture.regenerate:
                 final, gstats = regenerate(engine, tokenizer, convs, cfg.sampling, max_length, seed=cfg.sampling.seed + w)
-                too_long = set(gstats["too_long"])
-                run_stats["generated_tokens"] += gstats["generated_tokens"]
+                too_long, cut, gen_by_id = set(gstats["too_long"]), set(gstats["cut"]), gstats["generated_by_id"]
             else:
-                final, too_long = dict(convs), set()
+                final, too_long, cut, gen_by_id = dict(convs), set(), set(), {}
             for index in shard_indices:
-                records_in, dropped = [], {}
+                records_in, dropped, truncated = [], {}, []
                 for sid, split in chunks[index]:
                     if sid in too_long:
                         dropped[sid] = f"the first prompt alone reaches capture.max_length={max_length}"
                         continue
                     input_ids, mask = render_conversation(tokenizer, final[sid])
-                    truncated = len(input_ids) > max_length
+                    if len(input_ids) > max_length or sid in cut:
+                        truncated.append(sid)
                     input_ids, mask = input_ids[:max_length], mask[:max_length]
                     if sum(mask) == 0:
                         dropped[sid] = f"no assistant token within capture.max_length={max_length}"
                         continue
-                    run_stats["truncated"] += int(truncated)
                     records_in.append((sid, split, input_ids, mask))
                 caps = engine.capture([r[2] for r in records_in], top_k) if records_in else []
                 records = [
                     features.Record(sid, split, torch.tensor(ii, dtype=torch.int32), torch.tensor(mm, dtype=torch.uint8), cap)
                     for (sid, split, ii, mm), cap in zip(records_in, caps)
                 ]
+                kept = {r[0] for r in records_in}
+                side[str(index)] = {
+                    "truncated": [i for i in truncated if i in kept],
+                    "generated_tokens": sum(gen_by_id.get(sid, 0) for sid, _ in chunks[index]),
+                }
+                features.write_json_atomic(side_path, side)  # before the shard: a kept shard always has its stats
                 writer.write_shard(index, records, dropped)
-                n_tok = sum(len(r[2]) for r in records_in)
                 run_stats["samples"] += len(records)
-                run_stats["tokens"] += n_tok
+                run_stats["tokens"] += sum(len(r[2]) for r in records_in)
                 run_stats["masked_tokens"] += sum(sum(r[3]) for r in records_in)
+                run_stats["generated_tokens"] += side[str(index)]["generated_tokens"]
+                run_stats["truncated"] += len(side[str(index)]["truncated"])
                 run_stats["dropped"] += len(dropped)
                 bar.update(len(chunks[index]))
                 elapsed = max(time.time() - t_run, 1e-9)
@@ -378,7 +407,8 @@ def run_extract(cfg) -> dict:
         "samples": sum(len(s["samples"]) for s in shards),
         "tokens": tokens,
         "masked_tokens": sum(s["masked_tokens"] for s in shards),
-        "truncated": sum(1 for s in shards for x in s["samples"] if x["length"] >= max_length),
+        "truncated": sum(len(side.get(str(s["index"]), {}).get("truncated", [])) for s in shards),
+        "generated_tokens": sum(side.get(str(s["index"]), {}).get("generated_tokens", 0) for s in shards),
         "dropped": sum(dropped_reasons.values()),
         "dropped_reasons": dropped_reasons,
         "bytes": nbytes,
@@ -403,7 +433,7 @@ def format_summary(s: dict) -> str:
     lines = [
         f"extract: {s['target']} on {s['data']} -> {s['output_dir']}",
         f"  samples {s['samples']} of {s['prompts']} prompts | tokens {s['tokens']} | masked (assistant) tokens {s['masked_tokens']}",
-        f"  truncated at max_length {s['truncated']} | dropped {s['dropped']}"
+        f"  truncated at max_length {s['truncated']} | generated tokens {s['generated_tokens']} | dropped {s['dropped']}"
         + (f" ({'; '.join(f'{v}: {k}' for k, v in s['dropped_reasons'].items())})" if s["dropped"] else ""),
         f"  bytes {_human_bytes(s['bytes'])} | bytes per token {s['bytes_per_token']:.0f}",
         f"  this run: {r['samples']} samples, {r['tokens']} tokens captured, {r['generated_tokens']} generated, "

