@@ -1,0 +1,123 @@
+"""Summaries of Hydra multirun sweeps (``python train.py -m drafter.ttt_steps=1,3,7``).
+
+Each job of a sweep records a flat summary of its results with
+:func:`record_job_summary` (``summary.json`` in the Hydra job folder: the job's
+overrides, the path of its full metrics file and a few numbers). When the sweep ends,
+:class:`SummaryCallback` (listed under ``hydra.callbacks`` in ``conf/train.yaml`` and
+``conf/evaluate.yaml``) collects them into one markdown table, printed and written to
+``<sweep dir>/summary.md`` (and ``summary.json``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.experimental.callback import Callback
+
+log = logging.getLogger("eagle3")
+
+SUMMARY_FILE = "summary.json"
+
+
+def _job_context() -> Optional[tuple[Path, list[str]]]:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        hc = HydraConfig.get()
+        return Path(hc.runtime.output_dir), list(hc.overrides.task)
+    except Exception:  # noqa: BLE001  (not running under Hydra)
+        return None
+
+
+def record_job_summary(summary: dict, metrics_path: Optional[str] = None) -> Optional[Path]:
+    """Write ``summary.json`` into the current Hydra job folder (no-op outside Hydra).
+
+    Args:
+        summary: flat ``{column: number or str}`` for the sweep table.
+        metrics_path: where the job's full metrics/report lives.
+
+    Returns:
+        The file written, or None outside Hydra.
+    """
+    ctx = _job_context()
+    if ctx is None:
+        return None
+    job_dir, overrides = ctx
+    job_dir.mkdir(parents=True, exist_ok=True)
+    path = job_dir / SUMMARY_FILE
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"overrides": overrides, "metrics_path": metrics_path, "summary": summary}, indent=1))
+    tmp.replace(path)
+    return path
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "nan"
+        return f"{v:.4g}" if abs(v) < 1e4 else f"{v:.0f}"
+    return str(v)
+
+
+def collect(sweep_dir: str | Path) -> list[dict]:
+    """The ``summary.json`` of every job under ``sweep_dir`` (job number order)."""
+    rows = []
+    for p in Path(sweep_dir).glob(f"*/{SUMMARY_FILE}"):
+        try:
+            d = json.loads(p.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        d["job"] = p.parent.name
+        rows.append(d)
+
+    def key(d):
+        return (0, int(d["job"])) if d["job"].isdigit() else (1, d["job"])
+
+    return sorted(rows, key=key)
+
+
+def summary_table(rows: list[dict]) -> str:
+    """Markdown table: one row per job, its overrides then its summary columns."""
+    if not rows:
+        return "(no job recorded a summary)\n"
+    cols: list[str] = []
+    for r in rows:
+        for k in r.get("summary", {}):
+            if k not in cols:
+                cols.append(k)
+    head = "| job | overrides | " + " | ".join(cols) + " |"
+    sep = "|---|---|" + "---|" * len(cols)
+    lines = [head, sep]
+    for r in rows:
+        s = r.get("summary", {})
+        lines.append(
+            f"| {r['job']} | {' '.join(r.get('overrides', [])) or '-'} | "
+            + " | ".join(_fmt(s.get(c)) for c in cols) + " |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_summary(sweep_dir: str | Path) -> Path:
+    """Write ``summary.md``/``summary.json`` for a finished sweep; returns the .md path."""
+    sweep_dir = Path(sweep_dir)
+    rows = collect(sweep_dir)
+    table = summary_table(rows)
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    (sweep_dir / "summary.md").write_text(table)
+    (sweep_dir / "summary.json").write_text(json.dumps(rows, indent=1))
+    return sweep_dir / "summary.md"
+
+
+class SummaryCallback(Callback):
+    """Hydra callback: at the end of a multirun, print and save the sweep's table."""
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        path = write_summary(sweep_dir)
+        print(f"\nsweep summary ({path}):\n{path.read_text()}")

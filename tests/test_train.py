@@ -1,0 +1,218 @@
+"""The train stage: exact resume, input checks, metrics, exports, Hydra sweep."""
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import load_file
+
+import eagle3  # noqa: F401
+from eagle3.config import DataConfig, ModelConfig, TrainConfig
+from eagle3.errors import Eagle3Error
+from eagle3.features import Capture, FeatureWriter, Record
+from eagle3.train import length_bucketed_batches, train_drafter
+
+H, V, K = 16, 64, 4
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_target(content_hash="sha256:tiny", **kw):
+    d = dict(name="tiny", source="x", path=None, architecture="llama", num_layers=8, hidden_size=H, vocab_size=V,
+             aux_layer_ids=[2, 4, 5], content_hash=content_hash, quantization={"method": "none"}, dtype="float32",
+             rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=512, num_attention_heads=2,
+             num_key_value_heads=1, head_dim=8, intermediate_size=32)
+    d.update(kw)
+    return types.SimpleNamespace(**d)
+
+
+def write_features(d, n=24, content_hash="sha256:tiny", nan_ids=(), seed=0, val_every=6):
+    """A learnable toy: the target's next token is (3 * token + 1) mod V."""
+    g = torch.Generator().manual_seed(seed)
+    plan = [(f"s{i}", "validation" if i % val_every == val_every - 1 else "train") for i in range(n)]
+    meta = {"target": {"content_hash": content_hash, "hidden_size": H, "vocab_size": V, "architecture": "llama",
+                       "quantization": {"method": "none"}, "name": "tiny"},
+            "aux_layer_ids": [2, 4, 5], "chat_template_hash": "sha256:tmpl", "capture": {"top_k": K}}
+    w = FeatureWriter.open(d, meta, plan, samples_per_shard=8)
+    emb = torch.randn(V, H, generator=torch.Generator().manual_seed(99))
+    for idx, chunk in w.pending():
+        recs = []
+        for sid, split in chunk:
+            T = int(torch.randint(6, 20, (1,), generator=g))
+            ids = [int(torch.randint(0, V, (1,), generator=g))]
+            for _ in range(T - 1):
+                ids.append((3 * ids[-1] + 1) % V)
+            ids = torch.tensor(ids, dtype=torch.int32)
+            aux = emb[ids.long()][:, None, :].repeat(1, 3, 1) + 0.1 * torch.randn(T, 3, H, generator=g)
+            if sid in nan_ids:
+                aux[1, 0, 0] = float("nan")
+            top = torch.stack([(3 * ids.long() + 1 + k) % V for k in range(K)], 1).int()
+            lp = torch.log_softmax(torch.tensor([4.0, 1.0, 0.5, 0.0]), -1).expand(T, K).clone()
+            mask = torch.ones(T, dtype=torch.uint8)
+            mask[:2] = 0
+            recs.append(Record(sid, split, ids, mask, Capture(aux.bfloat16(), top, lp)))
+        w.write_shard(idx, recs)
+    return w.finalize()
+
+
+def make_cfg(features, out, **over):
+    cfg = OmegaConf.structured(TrainConfig)
+    cfg.model = OmegaConf.structured(ModelConfig(name="tiny", source="x"))
+    cfg.data = OmegaConf.structured(DataConfig(name="toy", source="x"))
+    cfg.features_dir = str(features)
+    cfg.output_dir = str(out)
+    cfg.device = "cpu"
+    cfg.drafter.ttt_steps = 3
+    cfg.drafter.draft_vocab_size = 48
+    cfg.loop.max_tokens_per_batch = 48
+    cfg.loop.log_every = 1
+    cfg.loop.tracker = "none"
+    cfg.loop.save_every = 1000
+    cfg.optim.lr = 3e-3
+    cfg.export.speculators = False
+    for k, v in over.items():
+        OmegaConf.update(cfg, k, v)
+    return OmegaConf.to_object(cfg)
+
+
+def embed():
+    return torch.randn(V, H, generator=torch.Generator().manual_seed(7))
+
+
+def test_batches_deterministic_and_within_budget():
+    lengths = [5, 50, 17, 9, 30, 2, 44, 12] * 5
+    a = length_bucketed_batches(lengths, 64, seed=1, epoch=0)
+    assert a == length_bucketed_batches(lengths, 64, seed=1, epoch=0)
+    assert a != length_bucketed_batches(lengths, 64, seed=1, epoch=1)
+    assert sorted(i for b in a for i in b) == list(range(len(lengths)))
+    assert all(len(b) * max(min(lengths[i], 64) for i in b) <= 64 for b in a)
+
+
+def test_five_steps_equal_three_plus_resume_plus_two(tmp_path):
+    write_features(tmp_path / "f", n=30)
+    tgt, E = tiny_target(), embed()
+    over = {"loop.max_steps": 5, "loop.grad_accum": 2}
+    order_a, order_b = [], []
+    full = train_drafter(make_cfg(tmp_path / "f", tmp_path / "a", **over), tgt, E,
+                         on_batch=lambda s, ids: order_a.append((s, ids)))
+    assert full["step"] == 5 and full["epoch"] >= 1  # the 5 steps cross an epoch boundary
+    part = train_drafter(make_cfg(tmp_path / "f", tmp_path / "b", **over), tgt, E, stop_after=3,
+                         on_batch=lambda s, ids: order_b.append((s, ids)))
+    assert part == {"interrupted": True, "step": 3, "output_dir": str(tmp_path / "b")}
+    assert not (tmp_path / "b" / "export").exists()
+    rest = train_drafter(make_cfg(tmp_path / "f", tmp_path / "b", **over), tgt, E,
+                         on_batch=lambda s, ids: order_b.append((s, ids)))
+    assert rest["step"] == 5
+    assert order_a == order_b  # same samples, same order, none repeated
+    ca, cb = tmp_path / "a" / "checkpoints" / "step-00000005", tmp_path / "b" / "checkpoints" / "step-00000005"
+    wa, wb = load_file(str(ca / "model.safetensors")), load_file(str(cb / "model.safetensors"))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+    oa = torch.load(ca / "optimizer.bin", weights_only=False)
+    ob = torch.load(cb / "optimizer.bin", weights_only=False)
+    assert oa["state"].keys() == ob["state"].keys()
+    for i in oa["state"]:
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(torch.as_tensor(oa["state"][i][k]), torch.as_tensor(ob["state"][i][k])), k
+    sa = torch.load(ca / "custom_checkpoint_0.pkl", weights_only=False)
+    sb = torch.load(cb / "custom_checkpoint_0.pkl", weights_only=False)
+    assert sa["_last_lr"] == sb["_last_lr"] and sa["last_epoch"] == sb["last_epoch"] == 5
+    # the exports are identical too
+    ea = load_file(str(tmp_path / "a" / "export" / "sglang" / "model.safetensors"))
+    eb = load_file(str(tmp_path / "b" / "export" / "sglang" / "model.safetensors"))
+    assert all(torch.equal(ea[k], eb[k]) for k in ea)
+    # running a finished run again re-exports without training
+    again = train_drafter(make_cfg(tmp_path / "f", tmp_path / "a", **over), tgt, E,
+                          on_batch=lambda s, ids: pytest.fail("trained again"))
+    assert again["step"] == 5
+
+
+def test_learns_the_toy_task_and_writes_metrics_and_exports(tmp_path):
+    write_features(tmp_path / "f", n=36, nan_ids=("s0", "s7"))
+    cfg = make_cfg(tmp_path / "f", tmp_path / "o", **{"loop.epochs": 20, "loop.tracker": "tensorboard", "optim.lr": 1e-2,
+                                                      "loop.max_tokens_per_batch": 2000, "loop.eval_every": 1000})
+    m = train_drafter(cfg, tiny_target(), embed())
+    saved = json.loads((tmp_path / "o" / "metrics.json").read_text())
+    assert saved["step"] == m["step"] > 0
+    val = saved["validation"]
+    assert len(val["step_acc"]) == 3 and len(val["step_loss"]) == 3 and val["samples"] == 6
+    # a deterministic successor rule: after 20 full-batch steps the drafter is far above chance (1/48)
+    assert val["step_acc"][0] > 0.3 and val["tau"] > 1.2, val
+    assert saved["skipped_nonfinite"] == 2 * 20  # two NaN samples, skipped in each of 20 epochs
+    assert saved["tokens_per_s"] > 0 and saved["peak_memory_gb"] > 0 and saved["mixed_precision"] == "no"
+    assert 0 < saved["draft_vocab_coverage"] <= 1
+    sg = tmp_path / "o" / "export" / "sglang"
+    meta = json.loads((sg / "eagle3_meta.json").read_text())
+    assert meta["target"]["content_hash"] == "sha256:tiny" and meta["chat_template_hash"] == "sha256:tmpl"
+    assert meta["aux_layer_ids"] == [2, 4, 5] and meta["ttt_steps"] == 3 and meta["draft_vocab_size"] == 48
+    assert meta["features_manifest_sha256"] and meta["features_dir"] == str(tmp_path / "f")
+    assert json.loads((sg / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    assert list((tmp_path / "o").glob("**/events.out.tfevents*")), "no TensorBoard events"
+    # the loaded export drafts the toy rule
+    from eagle3.export import load_sglang_export
+
+    d, _ = load_sglang_export(sg, embed())
+    assert d.d2t.shape == (48,)
+
+
+def test_input_checks(tmp_path):
+    tgt, E = tiny_target(), embed()
+    with pytest.raises(Eagle3Error, match="does not exist"):
+        train_drafter(make_cfg(tmp_path / "missing", tmp_path / "o"), tgt, E)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(Eagle3Error, match="manifest.json"):
+        train_drafter(make_cfg(tmp_path / "empty", tmp_path / "o"), tgt, E)
+    write_features(tmp_path / "a")
+    write_features(tmp_path / "b", content_hash="sha256:other")
+    with pytest.raises(Eagle3Error, match=r"content_hash \('sha256:tiny' vs 'sha256:other'\)"):
+        train_drafter(make_cfg(f"{tmp_path / 'a'},{tmp_path / 'b'}", tmp_path / "o"), tgt, E)
+    with pytest.raises(Eagle3Error, match="extracted from target weights sha256:other"):
+        train_drafter(make_cfg(tmp_path / "b", tmp_path / "o"), tgt, E)
+    with pytest.raises(Eagle3Error, match="aux layers"):
+        train_drafter(make_cfg(tmp_path / "a", tmp_path / "o"), tiny_target(aux_layer_ids=[2, 3, 5]), E)
+    # a resumed run must keep the settings that shape training
+    train_drafter(make_cfg(tmp_path / "a", tmp_path / "r", **{"loop.max_steps": 1}), tgt, E, stop_after=1)
+    with pytest.raises(Eagle3Error, match="drafter.ttt_steps=3.*now 2"):
+        train_drafter(make_cfg(tmp_path / "a", tmp_path / "r", **{"loop.max_steps": 1, "drafter.ttt_steps": 2}), tgt, E)
+    with pytest.raises(Eagle3Error, match="num_layers"):
+        train_drafter(make_cfg(tmp_path / "a", tmp_path / "o2", **{"drafter.num_layers": 2}), tgt, E)
+
+
+def test_hydra_multirun_gives_one_folder_per_job_and_a_summary(tmp_path):
+    """``python train.py -m drafter.ttt_steps=1,2`` on a tiny local target."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from eagle3.models import resolve_target
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(hidden_size=H, intermediate_size=32, num_hidden_layers=8, num_attention_heads=2,
+                                 num_key_value_heads=1, vocab_size=V, max_position_embeddings=512)
+                     ).save_pretrained(tmp_path / "tiny")
+    mc = OmegaConf.to_object(OmegaConf.structured(ModelConfig(name="tiny", source=str(tmp_path / "tiny"),
+                                                              dtype="float32")))
+    mc.quantization.method = "none"
+    info = resolve_target(mc, tmp_path / "cache")
+    write_features(tmp_path / "f", n=12, content_hash=info.content_hash)
+    sweep = tmp_path / "sweep"
+    cmd = [sys.executable, str(ROOT / "train.py"), "-m", "drafter.ttt_steps=1,2",
+           f"model.source={tmp_path / 'tiny'}", "model.name=tiny", "model.quantization.method=none",
+           "model.dtype=float32", f"cache_dir={tmp_path / 'cache'}", f"features_dir={tmp_path / 'f'}",
+           "data.name=toy", "drafter.draft_vocab_size=48", "loop.max_tokens_per_batch=64", "loop.max_steps=2",
+           "loop.tracker=none", "export.speculators=false", "device=cpu", f"hydra.sweep.dir={sweep}"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for job, steps in (("0", 1), ("1", 2)):
+        m = json.loads((sweep / job / "metrics.json").read_text())
+        assert m["ttt_steps"] == steps and len(m["validation"]["step_acc"]) == steps
+        assert (sweep / job / "export" / "sglang" / "config.json").exists()
+    table = (sweep / "summary.md").read_text()
+    assert "drafter.ttt_steps=1" in table and "drafter.ttt_steps=2" in table and "tau" in table
+    assert "sweep summary" in r.stdout

@@ -1,0 +1,17 @@
+"""Train stage: an EAGLE-3 drafter on the extracted features, exported for SGLang and vLLM."""
+
+import hydra
+
+import eagle3  # noqa: F401  (registers the config schema)
+from eagle3.cli import run_stage
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="train")
+def main(cfg):
+    from eagle3.train import run_train
+
+    return run_stage(run_train, cfg)
+
+
+if __name__ == "__main__":
+    main()
