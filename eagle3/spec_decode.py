@@ -601,8 +601,9 @@ def accept_greedy(tree: DraftTree, target_logits: torch.Tensor, max_depth: int) 
         max_depth: ``num_steps``.
 
     Returns:
-        ``(path, bonus)``: tree indices of the accepted path (root first, parents
-        before children) and the bonus token (target argmax at the path's end).
+        ``(path, tokens)``: tree indices of the accepted path (root first, parents
+        before children) and the tokens it yields: the accepted drafts, then the bonus
+        token (target argmax at the path's end).
     """
     best = target_logits.argmax(-1)  # [N]
     parent = tree.parents.clamp(min=0)
@@ -610,14 +611,14 @@ def accept_greedy(tree: DraftTree, target_logits: torch.Tensor, max_depth: int) 
     ok[0] = True
     for _ in range(max_depth):
         ok = ok & ok[parent]
-    flags, parents, best_cpu = torch.stack([ok.long(), tree.parents, best]).tolist()
+    flags, parents, best_cpu, tokens = torch.stack([ok.long(), tree.parents, best, tree.tokens]).tolist()
     # follow accepted children from the root (the first one if two siblings share a token)
     path, node = [0], 0
     for j in range(1, len(flags)):
         if flags[j] and parents[j] == node:
             path.append(j)
             node = j
-    return path, best_cpu[node]
+    return path, [tokens[j] for j in path[1:]] + [best_cpu[node]]
 
 
 def accept_chain_sampling(
@@ -635,9 +636,10 @@ def accept_chain_sampling(
         generator: the sequence's random generator.
 
     Returns:
-        ``(path, next_token)``: accepted path (``[0 .. a]``) and the token sampled after
-        it (from the residual ``norm(max(p - q, 0))`` at the first rejection, or from
-        ``p`` after the last draft). The result is distributed exactly as ``p``.
+        ``(path, tokens)``: accepted path (``[0 .. a]``) and the tokens it yields: the
+        accepted drafts, then the token sampled after them (from the residual
+        ``norm(max(p - q, 0))`` at the first rejection, or from ``p`` after the last
+        draft). The result is distributed exactly as ``p``.
     """
     k = tree.tokens.numel() - 1
     q = torch.zeros(k, p.shape[1], dtype=torch.float32, device=p.device)
@@ -652,11 +654,13 @@ def accept_chain_sampling(
     residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p[:k])
     dist = torch.cat([residual, p[k:]])  # [k+1, V]
     samples = torch.multinomial(dist, 1, generator=generator)[:, 0]  # [k+1]
-    flags, samples = torch.stack([torch.cat([accepted.long(), accepted.new_zeros(1).long()]), samples]).tolist()
+    flags, samples, tokens = torch.stack(
+        [torch.cat([accepted.long(), accepted.new_zeros(1).long()]), samples, tree.tokens]
+    ).tolist()
     a = 0
     while a < k and flags[a]:
         a += 1
-    return list(range(a + 1)), samples[a]
+    return list(range(a + 1)), tokens[1 : a + 1] + [samples[a]]
 
 
 def accept_tree_sampling(
@@ -672,7 +676,7 @@ def accept_tree_sampling(
     ``p``. This is exact sampling from ``p`` (``[N, V]`` float32 at each node).
 
     Returns:
-        ``(path, next_token)``.
+        ``(path, tokens)``: accepted path and the accepted drafts plus the next token.
     """
     n = tree.tokens.numel()
     parent = tree.parents.clamp(min=0)
@@ -701,10 +705,10 @@ def accept_tree_sampling(
     dist = p[node].clone()
     if rejected:
         dist[torch.tensor(rejected, device=p.device)] = 0.0
-        if float(dist.sum()) <= 0.0:  # numerically everything rejected; cannot happen exactly
-            dist = p[node].clone()
+        # all mass rejected can only happen numerically; fall back to p then
+        dist = torch.where(dist.sum() > 0, dist, p[node])
     nxt = int(torch.multinomial(dist, 1, generator=generator))
-    return path, nxt
+    return path, [tokens[j] for j in path[1:]] + [nxt]
 
 
 # --------------------------------------------------------------------------- decoders
@@ -814,20 +818,18 @@ class SpeculativeDecoder:
                 mask = runner.tree_mask(visible)
             logits, aux_all = runner.forward(tree.tokens[None], pos, cache, attention_mask=mask)
             if s.greedy:
-                path, nxt = accept_greedy(tree, logits, s.num_steps)
+                path, proposed = accept_greedy(tree, logits, s.num_steps)
             else:
                 p = target_probs(logits, s.temperature, s.top_p)
                 if s.is_chain:
-                    path, nxt = accept_chain_sampling(tree, p, prop.vocab_target_ids, generator)
+                    path, proposed = accept_chain_sampling(tree, p, prop.vocab_target_ids, generator)
                 else:
-                    path, nxt = accept_tree_sampling(tree, p, generator)
+                    path, proposed = accept_tree_sampling(tree, p, generator)
             a = len(path) - 1
             res.verify_passes += 1
             res.accepted_drafts += a
             res.accept_counts.append(a)
             path_t = torch.tensor(path, device=dev)
-            accepted = tree.tokens[path_t[1:]].tolist() if a else []
-            proposed = accepted + [nxt]
             room = s.max_new_tokens - len(res.tokens)
             take = _stop_index(proposed, self.stop, room)
             res.tokens.extend(proposed[:take])

@@ -245,7 +245,7 @@ def test_accept_greedy_walks_the_matching_path():
     # target argmax at each node: root->7 (node 2), node 2 -> 2 (node 4), node 4 -> 11 (bonus)
     for node, tok in {0: 7, 1: 1, 2: 2, 3: 3, 4: 11, 5: 0}.items():
         logits[node, tok] = 1.0
-    assert accept_greedy(tree, logits, 3) == ([0, 2, 4], 11)
+    assert accept_greedy(tree, logits, 3) == ([0, 2, 4], [7, 2, 11])
 
 
 def test_compact_cache_moves_tree_path():
@@ -359,12 +359,11 @@ def test_chain_speculative_sampling_kernel_is_exact():
         d = torch.multinomial(qd, 1, generator=g)[:, 0]
         tree = DraftTree(torch.cat([torch.tensor([0]), d]), torch.arange(-1, k), torch.arange(k + 1), qd)
         # p[1] stands for the target's distribution after the first draft (fixed here)
-        path, nxt = accept_chain_sampling(tree, p, torch.arange(Vs), g)
-        first = d[0].item() if len(path) > 1 else nxt
-        counts0[first] += 1
-        if len(path) > 1:
-            second = d[1].item() if len(path) > 2 else nxt
-            counts1[second] += 1
+        path, toks = accept_chain_sampling(tree, p, torch.arange(Vs), g)
+        assert toks[:-1] == d[: len(path) - 1].tolist()
+        counts0[toks[0]] += 1
+        if len(path) > 1:  # first draft accepted
+            counts1[toks[1]] += 1
     assert chi2_pvalue(counts0, p[0]) > 1e-3
     assert chi2_pvalue(counts1, p[1]) > 1e-3
     # the test has power: the same counts reject the draft distribution
@@ -380,8 +379,8 @@ def test_tree_sampling_kernel_is_exact():
     p = torch.softmax(torch.randn(6, Vs, generator=g) * 1.5, -1)
     counts0, counts1 = torch.zeros(Vs), torch.zeros(Vs)
     for _ in range(6000):
-        path, nxt = accept_tree_sampling(tree, p, g)
-        toks = [tree.tokens[j].item() for j in path[1:]] + [nxt]
+        path, toks = accept_tree_sampling(tree, p, g)
+        assert toks[:-1] == [tree.tokens[j].item() for j in path[1:]]
         counts0[toks[0]] += 1
         if toks[0] == 3:
             counts1[toks[1]] += 1
