@@ -215,7 +215,9 @@ class DrafterConfig:
     num_key_value_heads: Optional[int] = None
     head_dim: Optional[int] = None
     intermediate_size: Optional[int] = None
-    draft_vocab_size: int = 32000
+    # None = min(32000, distinct label tokens of the training split); an explicit N is
+    # padded with unused ids when fewer distinct tokens occur
+    draft_vocab_size: Optional[int] = None
     lm_head_init: str = "random"  # random | target
     ttt_steps: int = 7
     step_weight: float = 0.8  # loss weight of TTT step j is step_weight**j
@@ -235,7 +237,8 @@ class OptimConfig:
 class LoopConfig:
     epochs: int = 1
     max_steps: Optional[int] = None  # optimizer steps; None = epochs over the data
-    max_tokens_per_batch: int = 8192  # length-bucketed batches up to this many tokens
+    # length-bucketed batches up to this many padded tokens; None = 8192 on CUDA, 2048 on CPU
+    max_tokens_per_batch: Optional[int] = None
     grad_accum: int = 1
     mixed_precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | bf16 | no
     log_every: int = 10

@@ -42,7 +42,7 @@ from eagle3.drafter import DrafterArch, Eagle3Drafter
 from eagle3.errors import Eagle3Error
 from eagle3.features import FeatureDataset, sha256_file, write_json_atomic
 from eagle3.ttt import TTTCollator, TTTModel, batch_to, summarize, target_to_draft_index
-from eagle3.vocab import build_draft_vocab, count_label_tokens
+from eagle3.vocab import auto_draft_vocab_size, build_draft_vocab, count_label_tokens
 
 log = logging.getLogger("eagle3")
 
@@ -390,7 +390,7 @@ def train_drafter(
     dirs = features_dirs(cfg)
     output_dir = resolve_output_dir(cfg)
     dcfg, ocfg, lcfg = cfg.drafter, cfg.optim, cfg.loop
-    if lcfg.grad_accum < 1 or lcfg.max_tokens_per_batch < 8 or dcfg.ttt_steps < 1:
+    if lcfg.grad_accum < 1 or (lcfg.max_tokens_per_batch or 8) < 8 or dcfg.ttt_steps < 1:
         raise Eagle3Error("loop.grad_accum and drafter.ttt_steps must be >= 1, loop.max_tokens_per_batch >= 8")
     if cfg.export.sglang and dcfg.num_layers != 1:
         raise Eagle3Error(
@@ -410,6 +410,7 @@ def train_drafter(
 
     device = resolve_device(cfg.device)
     mp = resolve_mixed_precision(lcfg.mixed_precision, device)
+    max_tokens = int(lcfg.max_tokens_per_batch or (8192 if device.type == "cuda" else 2048))
     use_tb = lcfg.tracker == "tensorboard"
     output_dir.mkdir(parents=True, exist_ok=True)
     accelerator = Accelerator(
@@ -434,7 +435,7 @@ def train_drafter(
     else:
         counts = count_label_tokens(dirs, train_ds.manifests, target.vocab_size,
                                     progress=accelerator.is_local_main_process)
-        d2t, t2d = build_draft_vocab(counts, dcfg.draft_vocab_size)
+        d2t, t2d = build_draft_vocab(counts, dcfg.draft_vocab_size or auto_draft_vocab_size(counts))
         if accelerator.is_main_process:
             tmp = vocab_path.with_name(vocab_path.name + ".tmp")
             save_file({"d2t": d2t, "t2d": t2d, "counts": counts}, str(tmp))
@@ -442,7 +443,7 @@ def train_drafter(
     coverage = float(counts[t2d].sum()) / max(1, int(counts.sum()))
 
     # ---- model
-    arch = drafter_arch(target, dcfg)
+    arch = drafter_arch(target, dcfg, draft_vocab_size=d2t.numel())
     drafter = Eagle3Drafter(arch)
     drafter.set_draft_vocab(d2t, t2d)
     if dcfg.lm_head_init not in ("random", "target"):
@@ -461,7 +462,7 @@ def train_drafter(
     world, rank = accelerator.num_processes, accelerator.process_index
 
     def batches_of(epoch: int) -> list[list[int]]:
-        b = length_bucketed_batches(lengths, lcfg.max_tokens_per_batch, cfg.seed, epoch)
+        b = length_bucketed_batches(lengths, max_tokens, cfg.seed, epoch)
         per_rank = len(b) // world
         b = b[rank * per_rank : (rank + 1) * per_rank]
         return b[: len(b) - len(b) % ga]  # whole accumulation groups only
@@ -483,7 +484,7 @@ def train_drafter(
         accelerator.load_state(str(ckpt))
         log.info("resumed from %s (step %d of %d)", ckpt, state.step, total_steps)
 
-    collator = TTTCollator(target_to_draft_index(d2t, target.vocab_size), dcfg.ttt_steps, lcfg.max_tokens_per_batch)
+    collator = TTTCollator(target_to_draft_index(d2t, target.vocab_size), dcfg.ttt_steps, max_tokens, pad_multiple=16)
     pin = device.type == "cuda"
 
     def loader_for(ds, batch_lists):
@@ -492,7 +493,7 @@ def train_drafter(
             persistent_workers=False,
         )
 
-    val_batches = length_bucketed_batches(val_ds.lengths, lcfg.max_tokens_per_batch, cfg.seed, 0)
+    val_batches = length_bucketed_batches(val_ds.lengths, max_tokens, cfg.seed, 0)
     val_batches = val_batches[rank::world]
 
     if use_tb:
@@ -619,6 +620,7 @@ def train_drafter(
         "device": str(accelerator.device),
         "mixed_precision": mp,
         "drafter": asdict(arch),
+        "max_tokens_per_batch": max_tokens,
         "ttt_steps": dcfg.ttt_steps,
         **_peak_memory(),
     }

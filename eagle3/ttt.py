@@ -146,6 +146,7 @@ class TTTCollator:
         t2d_index: ``[V]`` CPU int64 from :func:`target_to_draft_index`.
         ttt_steps: number of TTT steps ``J``.
         max_length: samples are cut to this many tokens.
+        pad_multiple: the padded length is a multiple of this.
 
     The returned dict has ``input_ids [B, T]`` int64, ``aux_hidden_states
     [B, T, 3*H]`` bf16, ``lengths [B]``, per step ``rows`` (list of ``[N_j]`` flat row
@@ -154,10 +155,11 @@ class TTTCollator:
     ``num_chains``, ``skipped_nonfinite``, ``sample_ids``.
     """
 
-    def __init__(self, t2d_index: torch.Tensor, ttt_steps: int, max_length: int):
+    def __init__(self, t2d_index: torch.Tensor, ttt_steps: int, max_length: int, pad_multiple: int = 1):
         self.t2d_index = t2d_index.cpu()
         self.ttt_steps = int(ttt_steps)
         self.max_length = int(max_length)
+        self.pad_multiple = max(1, int(pad_multiple))
 
     @staticmethod
     def is_finite(sample: dict) -> bool:
@@ -172,6 +174,7 @@ class TTTCollator:
         skipped = len(samples) - len(good)
         L = [min(int(s["input_ids"].shape[0]), self.max_length) for s in good]
         B, T = len(good), max(L, default=0)
+        T = -(-T // self.pad_multiple) * self.pad_multiple  # aligned keys suit the fused SDPA kernels
         J = self.ttt_steps
         H3 = good[0]["aux_hidden_states"].shape[1] * good[0]["aux_hidden_states"].shape[2] if good else 0
         input_ids = torch.zeros(B, T, dtype=torch.int64)

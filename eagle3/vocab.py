@@ -59,6 +59,16 @@ def build_draft_vocab(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torc
     return d2t, t2d
 
 
+def auto_draft_vocab_size(counts: torch.Tensor, cap: int = 32000, multiple: int = 64) -> int:
+    """Default draft vocabulary size: the distinct label tokens seen, rounded up to a
+    multiple of ``multiple`` (matmul-friendly), at most ``cap`` (EAGLE-3's 32000) and
+    the vocabulary size. A small corpus thus gets a small ``lm_head``; a large one
+    the published 32000."""
+    seen = int((counts > 0).sum())
+    n = max(multiple, -(-seen // multiple) * multiple)
+    return int(min(n, cap, counts.numel()))
+
+
 def count_label_tokens(
     features_dirs: Sequence[str | os.PathLike],
     manifests: Sequence[dict],

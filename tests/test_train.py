@@ -137,13 +137,14 @@ def test_five_steps_equal_three_plus_resume_plus_two(tmp_path):
 def test_learns_the_toy_task_and_writes_metrics_and_exports(tmp_path):
     write_features(tmp_path / "f", n=36, nan_ids=("s0", "s7"))
     cfg = make_cfg(tmp_path / "f", tmp_path / "o", **{"loop.epochs": 20, "loop.tracker": "tensorboard", "optim.lr": 1e-2,
-                                                      "loop.max_tokens_per_batch": 2000, "loop.eval_every": 1000})
+                                                      "loop.max_tokens_per_batch": 2000, "loop.eval_every": 1000,
+                                                      "drafter.draft_vocab_size": None})
     m = train_drafter(cfg, tiny_target(), embed())
     saved = json.loads((tmp_path / "o" / "metrics.json").read_text())
     assert saved["step"] == m["step"] > 0
     val = saved["validation"]
     assert len(val["step_acc"]) == 3 and len(val["step_loss"]) == 3 and val["samples"] == 6
-    # a deterministic successor rule: after 20 full-batch steps the drafter is far above chance (1/48)
+    # a deterministic successor rule: after 20 full-batch steps the drafter is far above chance (1/64)
     assert val["step_acc"][0] > 0.3 and val["tau"] > 1.2, val
     assert saved["skipped_nonfinite"] == 2 * 20  # two NaN samples, skipped in each of 20 epochs
     assert saved["tokens_per_s"] > 0 and saved["peak_memory_gb"] > 0 and saved["mixed_precision"] == "no"
@@ -151,7 +152,8 @@ def test_learns_the_toy_task_and_writes_metrics_and_exports(tmp_path):
     sg = tmp_path / "o" / "export" / "sglang"
     meta = json.loads((sg / "eagle3_meta.json").read_text())
     assert meta["target"]["content_hash"] == "sha256:tiny" and meta["chat_template_hash"] == "sha256:tmpl"
-    assert meta["aux_layer_ids"] == [2, 4, 5] and meta["ttt_steps"] == 3 and meta["draft_vocab_size"] == 48
+    # draft vocabulary by default: the distinct label tokens (all 64 here), rounded up to 64
+    assert meta["aux_layer_ids"] == [2, 4, 5] and meta["ttt_steps"] == 3 and meta["draft_vocab_size"] == 64
     assert meta["features_manifest_sha256"] and meta["features_dir"] == str(tmp_path / "f")
     assert json.loads((sg / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
     assert list((tmp_path / "o").glob("**/events.out.tfevents*")), "no TensorBoard events"
@@ -159,7 +161,7 @@ def test_learns_the_toy_task_and_writes_metrics_and_exports(tmp_path):
     from eagle3.export import load_sglang_export
 
     d, _ = load_sglang_export(sg, embed())
-    assert d.d2t.shape == (48,)
+    assert d.d2t.shape == (64,)
 
 
 def test_input_checks(tmp_path):

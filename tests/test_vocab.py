@@ -5,7 +5,7 @@ import torch
 
 from eagle3.errors import Eagle3Error
 from eagle3.features import Capture, FeatureWriter, Record
-from eagle3.vocab import build_draft_vocab, count_label_tokens
+from eagle3.vocab import auto_draft_vocab_size, build_draft_vocab, count_label_tokens
 
 
 def check_properties(d2t, t2d, chosen_expected=None):
@@ -80,3 +80,13 @@ def test_counts_only_loss_masked_tokens_of_the_training_split(tmp_path):
     assert torch.equal(counts, expected)
     with pytest.raises(Eagle3Error, match="outside the target vocabulary"):
         count_label_tokens([tmp_path], [m], 6, progress=False)
+
+
+def test_default_size_follows_the_data():
+    counts = torch.zeros(50000, dtype=torch.int64)
+    counts[:130] = 1
+    assert auto_draft_vocab_size(counts) == 192  # 130 distinct, rounded up to a multiple of 64
+    counts[:40000] = 1
+    assert auto_draft_vocab_size(counts) == 32000  # EAGLE-3's size caps it
+    assert auto_draft_vocab_size(torch.ones(100, dtype=torch.int64)) == 100  # never above the vocabulary
+    assert auto_draft_vocab_size(torch.zeros(1000, dtype=torch.int64)) == 64
