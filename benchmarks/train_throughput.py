@@ -1,0 +1,192 @@
+"""Training throughput of the EAGLE-3 drafter: tokens/s and model FLOPs utilisation.
+
+Runs full training steps (TTT unroll over ``--ttt-steps`` steps, float32 KL loss,
+backward, AdamW) on synthetic features for two drafters:
+
+* ``smollm2``: the embedded target's drafter (hidden 576, 9 heads x 64, 3 KV heads,
+  FFN 1536, target vocabulary 49152, draft vocabulary 32000);
+* ``kimi``: a Kimi-K2.5-shaped drafter (hidden 7168, 64 heads x 128, 8 KV heads,
+  FFN 18432, target vocabulary 163840, draft vocabulary 32000).
+
+Model FLOPs per step (the useful work, counted analytically; backward = 2 x forward):
+``fc`` once, then for every TTT step the decoder layer on every row (q/k/v from 2H,
+o, SwiGLU MLP), attention over the causal prefix (step 0 keys) plus the step's own
+chain (``4 * heads * head_dim`` per query-key pair), and ``lm_head`` + softmax on the
+rows that carry loss. MFU = model FLOPs / time / peak (``--peak-tflops``; H200 dense
+bf16 ~989). The FLOPs torch actually executed (``torch.utils.flop_counter``; the
+masked attention computes every step's full key range) are printed next to it.
+
+    python benchmarks/train_throughput.py                 # both drafters, device auto
+    python benchmarks/train_throughput.py --model smollm2 --device cpu --iters 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from eagle3.drafter import DrafterArch, Eagle3Drafter  # noqa: E402
+from eagle3.ttt import TTTCollator, batch_to, target_to_draft_index, ttt_forward  # noqa: E402
+
+SHAPES = {
+    "smollm2": DrafterArch(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                           intermediate_size=1536, num_layers=1, target_hidden_size=576, vocab_size=49152,
+                           draft_vocab_size=32000, rms_norm_eps=1e-5, rope_theta=100000.0),
+    "kimi": DrafterArch(hidden_size=7168, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+                        intermediate_size=18432, num_layers=1, target_hidden_size=7168, vocab_size=163840,
+                        draft_vocab_size=32000, rms_norm_eps=1e-6, rope_theta=50000.0),
+}
+
+
+def synthetic_batch(arch: DrafterArch, batch: int, seq_len: int, ttt_steps: int, loss_fraction: float,
+                    top_k: int = 20, seed: int = 0) -> dict:
+    """A collated TTT batch of ``batch`` samples of ``seq_len`` tokens whose last
+    ``loss_fraction`` are assistant tokens; target top-k drawn inside the draft vocab."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for b in range(batch):
+        T = seq_len
+        ids = torch.randint(0, arch.draft_vocab_size, (T,), generator=g, dtype=torch.int32)
+        mask = torch.zeros(T, dtype=torch.uint8)
+        mask[int(T * (1 - loss_fraction)):] = 1
+        samples.append({
+            "sample_id": str(b), "input_ids": ids, "loss_mask": mask,
+            "aux_hidden_states": torch.randn(T, 3, arch.target_hidden_size, generator=g).bfloat16(),
+            "topk_ids": torch.randint(0, arch.draft_vocab_size, (T, top_k), generator=g, dtype=torch.int32),
+            "topk_logprobs": torch.log_softmax(torch.randn(T, top_k, generator=g), -1),
+        })
+    d2t = torch.zeros(arch.draft_vocab_size, dtype=torch.int64)
+    return TTTCollator(target_to_draft_index(d2t, arch.vocab_size), ttt_steps, seq_len, pad_multiple=16)(samples)
+
+
+def model_flops(arch: DrafterArch, batch: dict, ttt_steps: int) -> float:
+    """Useful forward+backward FLOPs of one training step on ``batch`` (see module doc)."""
+    B, T = batch["input_ids"].shape
+    N = B * T
+    H, Ht, nh, nkv, hd, inter = (arch.hidden_size, arch.target_hidden_size, arch.num_attention_heads,
+                                 arch.num_key_value_heads, arch.head_dim, arch.intermediate_size)
+    fwd = 2 * N * 3 * Ht * H  # fc
+    layer = 2 * N * (2 * H * (nh + 2 * nkv) * hd + nh * hd * H + 3 * H * inter)
+    real = batch["lengths"].double()
+    for j in range(ttt_steps):
+        fwd += layer
+        # causal prefix pairs + the j chain keys of every query, per sample
+        pairs = float((real * (real + 1) / 2 + j * real).sum())
+        fwd += 4 * nh * hd * pairs
+        rows = batch["rows"][j].numel()
+        fwd += 2 * rows * H * arch.draft_vocab_size + 5 * rows * arch.draft_vocab_size  # lm_head + softmax/KL
+    return 3.0 * fwd
+
+
+def run(name: str, args) -> dict:
+    arch = SHAPES[name]
+    if args.draft_vocab:
+        arch = DrafterArch(**{**arch.__dict__, "draft_vocab_size": args.draft_vocab})
+    dev = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(arch).to(dev)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=dev.type == "cuda")
+    seq = args.seq_len
+    nb = max(1, args.tokens // seq)
+    batch = synthetic_batch(arch, nb, seq, args.ttt_steps, args.loss_fraction)
+    flops = model_flops(arch, batch, args.ttt_steps)
+    batch = batch_to(batch, dev)
+    amp = dev.type == "cuda" and not args.fp32
+
+    def step():
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
+            out = ttt_forward(drafter, batch, args.ttt_steps)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    for _ in range(args.warmup):
+        step()
+    sync()
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(args.iters):
+        step()
+    sync()
+    dt = (time.perf_counter() - t0) / args.iters
+    executed = None
+    if args.count_executed:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        with FlopCounterMode(display=False) as fc:
+            step()
+        executed = float(fc.get_total_flops())
+    tokens = int(batch["num_tokens"])
+    res = {
+        "drafter": name,
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "dtype": "bf16 autocast" if amp else "fp32",
+        "hidden": arch.hidden_size,
+        "draft_vocab": arch.draft_vocab_size,
+        "ttt_steps": args.ttt_steps,
+        "tokens_per_step": tokens,
+        "step_s": dt,
+        "tokens_per_s": tokens / dt,
+        "model_tflops_per_step": flops / 1e12,
+        "achieved_tflops": flops / dt / 1e12,
+        "mfu": flops / dt / (args.peak_tflops * 1e12),
+        "executed_tflops_per_step": executed / 1e12 if executed else None,
+        "trainable_params_m": sum(p.numel() for p in params) / 1e6,
+        "peak_memory_gb": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None,
+    }
+    del drafter, opt, batch
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return res
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=["smollm2", "kimi", "all"], default="all")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--tokens", type=int, default=8192, help="tokens per training step")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--ttt-steps", type=int, default=7)
+    p.add_argument("--loss-fraction", type=float, default=0.6, help="share of tokens that are assistant labels")
+    p.add_argument("--draft-vocab", type=int, default=None)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="device peak (H200 dense bf16: ~989)")
+    p.add_argument("--fp32", action="store_true", help="no bf16 autocast on CUDA")
+    p.add_argument("--count-executed", action="store_true", help="also count executed FLOPs (one extra step)")
+    p.add_argument("--json", default=None, help="write the results here")
+    args = p.parse_args(argv)
+    names = ["smollm2", "kimi"] if args.model == "all" else [args.model]
+    results = [run(n, args) for n in names]
+    print(f"\n| drafter | device | dtype | tokens/step | step s | tokens/s | model TFLOP/step | TFLOP/s | MFU "
+          f"(peak {args.peak_tflops:g}) | peak mem GB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        mem = f"{r['peak_memory_gb']:.1f}" if r["peak_memory_gb"] is not None else "-"
+        print(f"| {r['drafter']} (H={r['hidden']}, Vd={r['draft_vocab']}, TTT {r['ttt_steps']}) | {r['device']} | "
+              f"{r['dtype']} | {r['tokens_per_step']} | {r['step_s']:.3f} | {r['tokens_per_s']:.0f} | "
+              f"{r['model_tflops_per_step']:.2f} | {r['achieved_tflops']:.1f} | {100 * r['mfu']:.1f}% | {mem} |")
+        if r["executed_tflops_per_step"]:
+            print(f"  executed FLOPs per step (flop counter): {r['executed_tflops_per_step']:.2f} TFLOP")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    main()
