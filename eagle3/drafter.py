@@ -226,6 +226,16 @@ class Eagle3Drafter(nn.Module):
         self.reset_parameters()
 
     # ------------------------------------------------------------------ setup
+    def _apply(self, fn, recurse=True):
+        # ``.to(bfloat16)`` would round the rotary frequencies too (positions drift);
+        # keep them in float32 as servers do, whatever dtype the weights take.
+        super()._apply(fn, recurse)
+        rot = self.rotary_emb
+        inv = rot.compute_default_rope_parameters(rot.config)[0].to(rot.inv_freq.device)
+        rot.inv_freq = inv
+        rot.original_inv_freq = inv.clone()
+        return self
+
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02) -> None:
         """Llama-style init: linear weights ~ N(0, std), norms 1 (embeddings untouched)."""

@@ -194,7 +194,8 @@ def arch_from_sglang_config(cfg: dict) -> DrafterArch:
 
 
 def load_sglang_export(export_dir: str | os.PathLike, embed_tokens: Optional[torch.Tensor] = None,
-                       device: str | torch.device = "cpu") -> tuple[Eagle3Drafter, dict]:
+                       device: str | torch.device = "cpu",
+                       dtype: Optional[torch.dtype] = None) -> tuple[Eagle3Drafter, dict]:
     """Load an SGLang-format drafter the way the server reads it.
 
     Sizes come from ``config.json``; weights from ``model.safetensors`` (names with or
@@ -206,7 +207,9 @@ def load_sglang_export(export_dir: str | os.PathLike, embed_tokens: Optional[tor
     Args:
         embed_tokens: the target's ``[V, H]`` embedding table (SGLang's ``set_embed``);
             when None and the export carries none, the table is left at zero.
-        device: where to put the drafter (kept in the stored dtype).
+        device: where to put the drafter.
+        dtype: compute dtype; None = the stored one (bf16, as a server runs it). On
+            CPUs without AMX, float32 is several times faster than bf16.
 
     Returns:
         ``(drafter in eval mode, meta)``; ``meta`` is ``eagle3_meta.json`` with
@@ -223,7 +226,7 @@ def load_sglang_export(export_dir: str | os.PathLike, embed_tokens: Optional[tor
     cfg = json.loads((d / "config.json").read_text())
     meta = json.loads((d / META_FILE).read_text()) if (d / META_FILE).exists() else {}
     arch = arch_from_sglang_config(cfg)
-    dtype = DTYPES.get(cfg.get("torch_dtype", "bfloat16"), torch.bfloat16)
+    stored = DTYPES.get(cfg.get("torch_dtype", "bfloat16"), torch.bfloat16)
     tensors = {}
     with safe_open(str(d / "model.safetensors"), framework="pt") as f:
         for k in f.keys():
@@ -263,7 +266,7 @@ def load_sglang_export(export_dir: str | os.PathLike, embed_tokens: Optional[tor
                 f"but the drafter was trained on {meta['aux_layer_ids']}; re-export it"
             )
         meta["aux_layer_ids"] = captured
-    return drafter.to(device=device, dtype=dtype).eval(), meta
+    return drafter.to(device=device, dtype=dtype or stored).eval(), meta
 
 
 # --------------------------------------------------------------------------- vLLM

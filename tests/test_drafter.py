@@ -209,3 +209,11 @@ def test_parity_with_speculators_eagle3_draft_model():
         # rows past T-1-j read padding tokens in both implementations (and carry no loss)
         n = T - 1 - j
         torch.testing.assert_close(ours[j][:n], captured[j][0, :n], atol=2e-5, rtol=2e-5)
+
+
+def test_bf16_cast_keeps_rotary_frequencies_exact():
+    m = make_drafter()
+    ref = m.rotary_emb.inv_freq.clone()
+    m = m.to(torch.bfloat16)
+    assert m.fc.weight.dtype == torch.bfloat16 and m.rotary_emb.inv_freq.dtype == torch.float32
+    assert torch.equal(m.rotary_emb.inv_freq, ref)  # a bf16 copy would shift far positions

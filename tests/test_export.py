@@ -117,6 +117,13 @@ def test_round_trip_reproduces_logits(tmp_path):
         a = loaded(ids, loaded.fuse(aux.bfloat16()), pos).logits
         b = rounded(ids, rounded.fuse(aux.bfloat16()), pos).logits
     torch.testing.assert_close(a, b, atol=0, rtol=0)
+    # ... and loaded in float32 (faster on CPU) it is the bf16-rounded weights in float32
+    loaded32, _ = load_sglang_export(tmp_path / "bf16", embed, dtype=torch.float32)
+    rounded32 = rounded.float()
+    with torch.no_grad():
+        rounded32.embed_tokens.weight.copy_(embed)  # the target's table, not a bf16 copy
+        torch.testing.assert_close(loaded32(ids, loaded32.fuse(aux), pos).logits,
+                                   rounded32(ids, rounded32.fuse(aux), pos).logits, atol=0, rtol=0)
     # re-export into the same folder replaces it
     export_sglang(trained_like_drafter(seed=1), tmp_path / "bf16", meta_for())
     loaded2, _ = load_sglang_export(tmp_path / "bf16", embed)
