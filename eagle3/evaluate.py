@@ -233,6 +233,8 @@ class TurnRecord:
     base_tokens: list[int]
     spec_seconds: float
     base_seconds: float
+    spec_prefill_seconds: float
+    base_prefill_seconds: float
     verify_passes: int
     emitted: int
     accept_counts: list[int] = field(default_factory=list)
@@ -317,7 +319,8 @@ def evaluate_hf(
                 spec = decoder.generate(ids, gen(seed + k))
                 base = target_generate(runner, ids, settings, stop, gen(seed + k))
                 recs.append(TurnRecord(name, str(row["id"]), t, len(ids), spec.tokens, base.tokens, spec.seconds,
-                                       base.seconds, spec.verify_passes, spec.emitted, spec.accept_counts))
+                                       base.seconds, spec.prefill_seconds, base.prefill_seconds,
+                                       spec.verify_passes, spec.emitted, spec.accept_counts))
                 history = msgs + [{"role": "assistant", "content": decode(spec.tokens)}]
             if recs:
                 p = sum(r.verify_passes for r in recs)
@@ -340,6 +343,12 @@ def summarize_benchmark(recs: Sequence[TurnRecord], settings: SpecSettings) -> d
     out["tokens_per_s_spec"] = tokens_per_second(spec_tok, sum(r.spec_seconds for r in recs))
     out["tokens_per_s_base"] = tokens_per_second(base_tok, sum(r.base_seconds for r in recs))
     out["speedup"] = ratio(out["tokens_per_s_spec"], out["tokens_per_s_base"])
+    # decode only: tokens after the first / time after the prefill (the prefill is the same work in both)
+    out["decode_tokens_per_s_spec"] = tokens_per_second(
+        spec_tok - len(recs), sum(r.spec_seconds - r.spec_prefill_seconds for r in recs))
+    out["decode_tokens_per_s_base"] = tokens_per_second(
+        base_tok - len(recs), sum(r.base_seconds - r.base_prefill_seconds for r in recs))
+    out["decode_speedup"] = ratio(out["decode_tokens_per_s_spec"], out["decode_tokens_per_s_base"])
     prompts = {r.sample_id for r in recs}
     if settings.greedy:
         ok = {sid: True for sid in prompts}
@@ -371,7 +380,8 @@ def summarize_benchmark(recs: Sequence[TurnRecord], settings: SpecSettings) -> d
 def _overall(records: Sequence[TurnRecord], settings: SpecSettings) -> dict:
     s = summarize_benchmark(records, settings)
     keep = ("acceptance_length", "acceptance_rate", "verify_passes", "generated_tokens", "per_position_acceptance",
-            "tokens_per_s_spec", "tokens_per_s_base", "speedup", "lossless_matches", "lossless_checked", "num_turns")
+            "tokens_per_s_spec", "tokens_per_s_base", "speedup", "decode_speedup", "lossless_matches",
+            "lossless_checked", "num_turns")
     return {k: s.get(k) for k in keep}
 
 
@@ -386,6 +396,7 @@ def write_samples(path: Path, records: Sequence[TurnRecord], decode: Callable[[l
                 "tokens_spec": len(r.spec_tokens), "tokens_base": len(r.base_tokens), "match": r.match,
                 "verify_passes": r.verify_passes, "acceptance_length": r.emitted / r.verify_passes if r.verify_passes else None,
                 "accept_counts": r.accept_counts, "seconds_spec": r.spec_seconds, "seconds_base": r.base_seconds,
+                "prefill_seconds_spec": r.spec_prefill_seconds, "prefill_seconds_base": r.base_prefill_seconds,
                 "longest_loop": span, "loop_period": period, "text": decode(r.spec_tokens),
             }) + "\n")
     os.replace(tmp, path)

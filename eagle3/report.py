@@ -149,11 +149,14 @@ def render_markdown(results: dict, plots: dict[str, str]) -> str:
         rows.append([
             name, _f(b.get("num_prompts")), _f(b.get("acceptance_length")), _f(b.get("acceptance_rate")),
             _f(b.get("verify_passes")), _f(b.get("generated_tokens")), _f(b.get("tokens_per_s_spec"), 1),
-            _f(b.get("tokens_per_s_base"), 1), _f(b.get("speedup")), lossless, b.get("verdict", "-"),
+            _f(b.get("tokens_per_s_base"), 1), _f(b.get("speedup")), _f(b.get("decode_speedup")), lossless,
+            b.get("verdict", "-"),
         ])
     out.append(_md_table(
         ["benchmark", "prompts", "tau", "acceptance rate", "verify passes", "generated tokens",
-         "tok/s spec", "tok/s base", "speed-up", "lossless", "verdict"], rows))
+         "tok/s spec", "tok/s base", "speed-up", "decode speed-up", "lossless", "verdict"], rows))
+    out.append("tok/s and speed-up: generated tokens over wall time including the prefill, batch 1; "
+               "decode speed-up leaves the prefill out.\n")
     depth = max((len(b.get("per_position_acceptance") or []) for b in benches.values()), default=0)
     if depth:
         out.append("\n## Per-position acceptance\n")

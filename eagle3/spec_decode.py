@@ -151,7 +151,8 @@ class GenerationResult:
     verifier decided, before truncation at the end). ``accept_counts[i]``: drafts
     accepted by pass i. ``emitted``: tokens emitted by verify passes (bonus included,
     truncated at the end) = ``len(tokens) - 1``. ``seconds``: wall time of the whole
-    generation, device-synchronised. ``rounds_seconds``: time spent in verify rounds.
+    generation, device-synchronised; ``prefill_seconds``: of which until the first
+    token was known.
     """
 
     tokens: list[int]
@@ -740,19 +741,22 @@ def target_generate(
     logits, _ = runner.forward(ids, pos, cache, last_only=True, capture=False)
     out: list[int] = []
     n = ids.shape[1]
+    prefill = None
     while True:
         if settings.greedy:
             tok = logits[-1:].argmax(-1)
         else:
             tok = _sample(target_probs(logits[-1:], settings.temperature, settings.top_p), generator)
-        t = int(tok)
+        t = int(tok)  # host sync
+        if prefill is None:
+            prefill = time.perf_counter() - t0
         out.append(t)
         if t in stop or len(out) >= settings.max_new_tokens:
             break
         logits, _ = runner.forward(tok[None], torch.tensor([[n]], device=dev), cache, capture=False)
         n += 1
     synchronize(dev)
-    return GenerationResult(tokens=out, seconds=time.perf_counter() - t0)
+    return GenerationResult(tokens=out, seconds=time.perf_counter() - t0, prefill_seconds=prefill)
 
 
 class SpeculativeDecoder:
