@@ -140,7 +140,10 @@ def test_evaluate_hf_loop(tmp_path):
         assert b["generated_tokens"] == sum(len(r.spec_tokens) - 1 for r in recs if r.benchmark == name)
         assert b["acceptance_length"] == b["generated_tokens"] / b["verify_passes"] >= 1.0
         assert b["tokens_per_s_spec"] > 0 and b["tokens_per_s_base"] > 0
-        assert b["decode_tokens_per_s_spec"] > b["tokens_per_s_spec"]  # the prefill is left out
+        mine = [r for r in recs if r.benchmark == name]
+        assert b["decode_tokens_per_s_base"] == pytest.approx(
+            sum(len(r.base_tokens) - 1 for r in mine) / sum(r.base_seconds - r.base_prefill_seconds for r in mine))
+        assert all(0 < r.spec_prefill_seconds < r.spec_seconds for r in mine)
         assert b["speedup"] == b["tokens_per_s_spec"] / b["tokens_per_s_base"]
         assert set(b["diversity"]) >= {"distinct_1", "distinct_2", "longest_loop_max", "loops"}
     assert res["multi"]["num_turns"] == 2
