@@ -20,14 +20,20 @@
    ``engine=sglang``: :func:`eagle3.sglang_eval.run_sglang_evaluation`.
 4. Writes the report (:func:`eagle3.report.write_report`) and per-turn records
    (``samples.jsonl``) under ``output_dir`` (default ``data/eval/<model>``; the Hydra
-   job folder in a multirun).
+   job folder in a multirun). Each finished benchmark is kept in
+   ``output_dir/partial/<name>.json``; the same command run again (e.g. after a time
+   limit stopped it) reuses finished benchmarks whose settings, target, export and
+   prompt ids are unchanged.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import logging
 import os
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -254,6 +260,11 @@ def _user_turns(messages: Sequence[dict]) -> list[list[dict]]:
     return [system + [u] for u in users]
 
 
+def _turn_seed(seed: int, benchmark: str, sample_id: str, turn: int) -> int:
+    """Per-turn generator seed, stable across runs and resumptions."""
+    return seed + zlib.crc32(f"{benchmark}/{sample_id}/{turn}".encode())
+
+
 def evaluate_hf(
     benchmarks: dict[str, Sequence[dict]],
     decoder: SpeculativeDecoder,
@@ -264,6 +275,8 @@ def evaluate_hf(
     max_prompt_tokens: Optional[int] = None,
     seed: int = 0,
     progress: bool = True,
+    done: Optional[dict[str, tuple[list[TurnRecord], list[str]]]] = None,
+    on_done: Optional[Callable[[str, list[TurnRecord], list[str]], None]] = None,
 ) -> tuple[dict, list[TurnRecord], list[str]]:
     """Speculative and baseline decoding of every benchmark prompt at batch 1.
 
@@ -273,9 +286,11 @@ def evaluate_hf(
         render: messages -> prompt token ids (chat template with generation prompt).
         decode: generated token ids -> text (the assistant message of the next turn).
         settings: the decoder's settings (temperature, max_new_tokens, steps).
-        warmup_prompts: prompts of the first benchmark run once, untimed, first.
+        warmup_prompts: prompts of the first benchmark still to run, run once untimed.
         max_prompt_tokens: longer rendered prompts are skipped (counted in warnings).
-        seed: per-turn random generators are seeded ``seed + turn index``.
+        seed: base of the per-turn random generators (temperature > 0).
+        done: benchmarks already evaluated (resumed): ``{name: (records, warnings)}``.
+        on_done: called with ``(name, records, warnings)`` after each benchmark.
 
     Returns:
         ``(per-benchmark results, turn records, warnings)``; the results hold the
@@ -285,13 +300,14 @@ def evaluate_hf(
 
     runner, dev = decoder.runner, decoder.runner.device
     stop = sorted(decoder.stop)
-    warnings: list[str] = []
+    done = done or {}
 
     def gen(seed_: int):
         return torch.Generator(device=dev).manual_seed(seed_) if not settings.greedy else None
 
     # warm-up: kernels, allocator, caches; not measured
-    first = next(iter(benchmarks.values()), [])
+    todo = [n for n in benchmarks if n not in done]
+    first = benchmarks[todo[0]] if todo else []
     for row in list(first)[: max(0, warmup_prompts)]:
         ids = render(_user_turns(row["messages"])[0])
         if max_prompt_tokens and len(ids) > max_prompt_tokens:
@@ -301,34 +317,37 @@ def evaluate_hf(
 
     results: dict[str, dict] = {}
     records: list[TurnRecord] = []
-    k = 0
+    warnings: list[str] = []
     for name, rows in benchmarks.items():
-        recs: list[TurnRecord] = []
-        skipped = 0
-        bar = tqdm(list(rows), desc=f"evaluate {name}", unit="prompt", disable=not progress)
-        for row in bar:
-            history: list[dict] = []
-            turns = _user_turns(row["messages"])
-            for t, turn in enumerate(turns):
-                msgs = history + [turn[-1]] if history else turn
-                ids = render(msgs)
-                if max_prompt_tokens and len(ids) > max_prompt_tokens:
-                    skipped += 1
-                    break
-                k += 1
-                spec = decoder.generate(ids, gen(seed + k))
-                base = target_generate(runner, ids, settings, stop, gen(seed + k))
-                recs.append(TurnRecord(name, str(row["id"]), t, len(ids), spec.tokens, base.tokens, spec.seconds,
-                                       base.seconds, spec.prefill_seconds, base.prefill_seconds,
-                                       spec.verify_passes, spec.emitted, spec.accept_counts))
-                history = msgs + [{"role": "assistant", "content": decode(spec.tokens)}]
-            if recs:
-                p = sum(r.verify_passes for r in recs)
-                bar.set_postfix(tau=f"{sum(r.emitted for r in recs) / p:.2f}" if p else "-")
-        if skipped:
-            warnings.append(
-                f"{name}: {skipped} prompts longer than max_prompt_tokens={max_prompt_tokens} were skipped"
-            )
+        if name in done:
+            recs, warn = done[name]
+        else:
+            recs, warn = [], []
+            skipped = 0
+            bar = tqdm(list(rows), desc=f"evaluate {name}", unit="prompt", disable=not progress)
+            for row in bar:
+                history: list[dict] = []
+                for t, turn in enumerate(_user_turns(row["messages"])):
+                    msgs = history + [turn[-1]] if history else turn
+                    ids = render(msgs)
+                    if max_prompt_tokens and len(ids) > max_prompt_tokens:
+                        skipped += 1
+                        break
+                    s = _turn_seed(seed, name, str(row["id"]), t)
+                    spec = decoder.generate(ids, gen(s))
+                    base = target_generate(runner, ids, settings, stop, gen(s))
+                    recs.append(TurnRecord(name, str(row["id"]), t, len(ids), spec.tokens, base.tokens,
+                                           spec.seconds, base.seconds, spec.prefill_seconds, base.prefill_seconds,
+                                           spec.verify_passes, spec.emitted, spec.accept_counts))
+                    history = msgs + [{"role": "assistant", "content": decode(spec.tokens)}]
+                if recs:
+                    p = sum(r.verify_passes for r in recs)
+                    bar.set_postfix(tau=f"{sum(r.emitted for r in recs) / p:.2f}" if p else "-")
+            if skipped:
+                warn.append(f"{name}: {skipped} prompts longer than max_prompt_tokens={max_prompt_tokens} were skipped")
+            if on_done is not None:
+                on_done(name, recs, warn)
+        warnings += warn
         results[name] = summarize_benchmark(recs, settings)
         records += recs
     return results, records, warnings
@@ -400,6 +419,48 @@ def write_samples(path: Path, records: Sequence[TurnRecord], decode: Callable[[l
                 "longest_loop": span, "loop_period": period, "text": decode(r.spec_tokens),
             }) + "\n")
     os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------- resume
+PARTIAL_DIR = "partial"
+
+
+def run_key(parts: dict) -> str:
+    """Fingerprint of everything that decides a benchmark's records (sha256 of JSON)."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def export_fingerprint(drafter_dir: Path) -> dict:
+    """What identifies an export cheaply: its config and the weights' size and mtime."""
+    w = drafter_dir / "model.safetensors"
+    st = w.stat() if w.exists() else None
+    cfg = (drafter_dir / "config.json").read_text() if (drafter_dir / "config.json").exists() else ""
+    return {"config": cfg, "weights": [st.st_size, st.st_mtime_ns] if st else None}
+
+
+def load_partial(output_dir: Path, name: str, key: str) -> Optional[tuple[list[TurnRecord], list[str]]]:
+    """Records of a benchmark finished by an earlier run with the same key, else None."""
+    p = output_dir / PARTIAL_DIR / f"{name}.json"
+    if not p.is_file():
+        return None
+    try:
+        d = json.loads(p.read_text())
+    except json.JSONDecodeError:
+        return None
+    if d.get("key") != key:
+        return None
+    return [TurnRecord(**r) for r in d["records"]], list(d.get("warnings") or [])
+
+
+def save_partial(output_dir: Path, name: str, key: str, records: Sequence[TurnRecord], warnings: Sequence[str]) -> None:
+    """Keep a finished benchmark's records so a stopped run resumes after it (atomic)."""
+    d = output_dir / PARTIAL_DIR
+    d.mkdir(parents=True, exist_ok=True)
+    p = d / f"{name}.json"
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(json.dumps({"key": key, "records": [dataclasses.asdict(r) for r in records],
+                               "warnings": list(warnings)}))
+    os.replace(tmp, p)
 
 
 # ----------------------------------------------------------------------------- the stage
@@ -480,9 +541,22 @@ def run_evaluate(cfg) -> dict:
     def decode(ids):
         return tokenizer.decode(ids, skip_special_tokens=True)
 
+    base_key = {
+        "settings": dataclasses.asdict(settings), "target": info.content_hash, "dtype": str(model.dtype),
+        "device": device.type, "attn": cfg.engine.attn_implementation, "export": export_fingerprint(drafter_dir),
+        "seed": cfg.seed, "max_prompt_tokens": cfg.max_prompt_tokens,
+    }
+    keys = {n: run_key({**base_key, "benchmark": n, "ids": [str(i) for i in ds["id"]]}) for n, ds in benchmarks.items()}
+    done = {}
+    for n in benchmarks:
+        got = load_partial(output_dir, n, keys[n])
+        if got is not None:
+            done[n] = got
+            log.info("%s: reusing the %d turns evaluated by an earlier run in %s", n, len(got[0]), output_dir)
     per_bench, records, w = evaluate_hf(
         {n: ds for n, ds in benchmarks.items()}, decoder, render, decode, settings,
         warmup_prompts=cfg.warmup_prompts, max_prompt_tokens=cfg.max_prompt_tokens, seed=cfg.seed,
+        done=done, on_done=lambda n, r, ww: save_partial(output_dir, n, keys[n], r, ww),
     )
     warnings += w
     runner.close()
@@ -503,6 +577,7 @@ def run_evaluate(cfg) -> dict:
             "aux_layer_ids": list(aux), "draft_vocab_size": arch.draft_vocab_size,
             "limit": cfg.data.limit, "warmup_prompts": cfg.warmup_prompts, "seed": cfg.seed,
             "batch_size": 1, "torch_threads": torch.get_num_threads(),
+            "resumed_benchmarks": sorted(done),
         },
         "warnings": warnings,
     }

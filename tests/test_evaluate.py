@@ -190,3 +190,32 @@ def test_real_smollm2_run_is_lossless(tmp_path, capsys):
     assert len(lines) == 4 and all(json.loads(x)["match"] for x in lines)
     out = capsys.readouterr().out
     assert "gsm8k" in out and "humaneval" in out and "tau" in out
+
+
+def test_finished_benchmarks_are_resumed(tmp_path):
+    from eagle3.evaluate import TurnRecord, load_partial, save_partial
+
+    target = tiny_target()
+    drafter, _ = exported_drafter(target, tmp_path)
+    s, _ = SpecSettings.make(2, 1, 3, max_new_tokens=12)
+    dec = SpeculativeDecoder(TargetRunner(target, AUX), Eagle3Proposer(drafter, AUX), s, stop_ids=[])
+    benches = {"x": [{"id": "a", "messages": [{"role": "user", "content": "abc"}]}],
+               "y": [{"id": "b", "messages": [{"role": "user", "content": "xyz"}]}]}
+    saved = {}
+    res1, recs1, _ = evaluate_hf(benches, dec, render, decode, s, warmup_prompts=0, progress=False,
+                                 on_done=lambda n, r, w: saved.setdefault(n, (r, w)))
+    assert set(saved) == {"x", "y"}
+    save_partial(tmp_path, "x", "k1", *saved["x"])
+    assert load_partial(tmp_path, "x", "other-key") is None
+    back = load_partial(tmp_path, "x", "k1")
+    assert back[0] == saved["x"][0] and isinstance(back[0][0], TurnRecord)
+
+    class NoDecoder:  # a resumed benchmark must not generate again
+        runner, stop = dec.runner, dec.stop
+
+        def generate(self, *a, **k):
+            raise AssertionError("generated a finished benchmark again")
+
+    res2, recs2, _ = evaluate_hf({"x": benches["x"]}, NoDecoder(), render, decode, s, warmup_prompts=1,
+                                 progress=False, done={"x": back})
+    assert recs2 == [r for r in recs1 if r.benchmark == "x"] and res2["x"] == res1["x"]
