@@ -585,10 +585,11 @@ def tree_ancestors(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     rows = torch.arange(n, device=parents.device)
     anc = torch.eye(n, dtype=torch.bool, device=parents.device)
     cur = parents.clone()
-    for _ in range(max_depth):
+    for _ in range(max_depth):  # integer indexing only: no host sync
         valid = cur >= 0
-        anc[rows[valid], cur[valid]] = True
-        cur = torch.where(valid, parents[cur.clamp(min=0)], cur)
+        col = cur.clamp(min=0)
+        anc[rows, col] = anc[rows, col] | valid
+        cur = torch.where(valid, parents[col], cur)
     return anc
 
 
