@@ -834,16 +834,20 @@ class SpeculativeDecoder:
             res.verify_passes += 1
             res.accepted_drafts += a
             res.accept_counts.append(a)
-            path_t = torch.tensor(path, device=dev)
             room = s.max_new_tokens - len(res.tokens)
             take = _stop_index(proposed, self.stop, room)
             res.tokens.extend(proposed[:take])
             res.emitted += take
             if take < len(proposed) or proposed[take - 1] in self.stop or len(res.tokens) >= s.max_new_tokens:
                 break
-            # roll back: keep root + accepted path in the target cache
-            _compact_cache(cache, length, path_t, contiguous=path == list(range(a + 1)))
-            aux = aux_all[path_t] if aux_all is not None else None
+            # roll back: keep root + accepted path in the target cache (and their aux states)
+            if path == list(range(a + 1)):  # a prefix of the verify slots (always for chains)
+                truncate_cache(cache, length + a + 1)
+                aux = aux_all[: a + 1] if aux_all is not None else None
+            else:
+                path_t = torch.tensor(path, device=dev)
+                _compact_cache(cache, length, path_t, contiguous=False)
+                aux = aux_all[path_t] if aux_all is not None else None
             start, length = length, length + a + 1
             new_ids = torch.tensor(proposed, dtype=torch.long, device=dev)
             root = new_ids[-1:]
