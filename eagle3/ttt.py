@@ -15,8 +15,10 @@ state at token ``p`` and its distribution of token ``p+1``, see docs/design.md):
 * Attention: step ``j`` at row ``r`` sees the step-0 keys of rows ``0..r`` (the
   target-feature cache of the prefix) and the keys of steps ``1..j`` at row ``r``
   only (its own chain), exactly what drafting after token ``r`` sees at serving
-  time. The keys of all steps are concatenated (``S = (j+1)*T``) and one explicit
-  bool mask per step selects them (the formulation of SpecForge / speculators).
+  time. The keys of all steps are concatenated and one explicit bool mask per step
+  selects them (the formulation of SpecForge / speculators). Steps ``j >= 1`` run only
+  on the rows that carry loss at some step ``>= 1`` (see :class:`TTTCollator`): a
+  row's chain never affects another row, so the others (prompt rows) are skipped.
 
 Loss (EAGLE-3; float32 whatever the autocast dtype): forward KL from the target's
 top-k distribution, restricted to the draft vocabulary and renormalised, to the
@@ -148,11 +150,17 @@ class TTTCollator:
         max_length: samples are cut to this many tokens.
         pad_multiple: the padded length is a multiple of this.
 
+    Steps ``j >= 1`` only run on *chain rows*: the rows that carry loss at some step
+    ``>= 1`` (rows inside prompts never do), gathered per sample into a compact
+    ``[B, T']`` layout. Step 0 runs on every row (its keys are the prefix cache).
+
     The returned dict has ``input_ids [B, T]`` int64, ``aux_hidden_states
-    [B, T, 3*H]`` bf16, ``lengths [B]``, per step ``rows`` (list of ``[N_j]`` flat row
-    indices ``b*T + r``), ``target_ids`` (``[N_j, k]`` draft ids), ``target_q``
-    (``[N_j, k]`` float32), ``chain_starts [B*T]`` bool, and counts ``num_tokens``,
-    ``num_chains``, ``skipped_nonfinite``, ``sample_ids``.
+    [B, T, 3*H]`` bf16, ``lengths [B]``, ``chain_rows [B, T']`` int64 (row of each
+    compact slot, 0 in padding slots), per step ``rows`` (``[N_j]`` flat indices of
+    the loss rows: ``b*T + r`` at step 0, ``b*T' + slot`` after), ``rows_full``
+    (the same rows as ``b*T + r``), ``target_ids`` (``[N_j, k]`` draft ids),
+    ``target_q`` (``[N_j, k]`` float32), ``chain_starts [B*T]`` bool, and counts
+    ``num_tokens``, ``num_chains``, ``skipped_nonfinite``, ``sample_ids``.
     """
 
     def __init__(self, t2d_index: torch.Tensor, ttt_steps: int, max_length: int, pad_multiple: int = 1):
@@ -205,12 +213,25 @@ class TTTCollator:
                 tids[j].append(top_ids[r + 1 + j])
                 tlps[j].append(top_lp[r + 1 + j])
         k = good[0]["topk_ids"].shape[1] if good else 1
+        cat = lambda xs, empty: torch.cat(xs) if xs else empty  # noqa: E731
+        full = [cat(rows[j], torch.zeros(0, dtype=torch.int64)) for j in range(J)]
+        # chain rows: per sample, the rows with loss at some step >= 1, in a compact layout
+        later = torch.cat(full[1:]) if J > 1 else torch.zeros(0, dtype=torch.int64)
+        per_sample = [torch.unique(later[(later >= b * T) & (later < (b + 1) * T)]) - b * T for b in range(B)]
+        Tp = max((x.numel() for x in per_sample), default=0)
+        Tp = -(-Tp // self.pad_multiple) * self.pad_multiple
+        chain_rows = torch.zeros(B, Tp, dtype=torch.int64)
+        for b, x in enumerate(per_sample):
+            chain_rows[b, : x.numel()] = x
         out_rows, out_ids, out_q = [], [], []
         for j in range(J):
-            rj = torch.cat(rows[j]) if rows[j] else torch.zeros(0, dtype=torch.int64)
-            ij = torch.cat(tids[j]) if tids[j] else torch.zeros(0, k, dtype=torch.int64)
-            lj = torch.cat(tlps[j]) if tlps[j] else torch.zeros(0, k)
-            d, q = target_distribution(ij, lj, self.t2d_index)
+            rj = full[j]
+            if j > 0 and rj.numel():  # full flat index -> compact flat index
+                b, r = rj // T, rj % T
+                slot = torch.cat([torch.searchsorted(per_sample[i], r[b == i]) for i in range(B)])
+                rj = b * Tp + slot
+            d, q = target_distribution(cat(tids[j], torch.zeros(0, k, dtype=torch.int64)),
+                                       cat(tlps[j], torch.zeros(0, k)), self.t2d_index)
             out_rows.append(rj)
             out_ids.append(d)
             out_q.append(q)
@@ -218,7 +239,9 @@ class TTTCollator:
             "input_ids": input_ids,
             "aux_hidden_states": aux,
             "lengths": torch.tensor(L, dtype=torch.int64),
+            "chain_rows": chain_rows,
             "rows": out_rows,
+            "rows_full": full,
             "target_ids": out_ids,
             "target_q": out_q,
             "chain_starts": chain,
@@ -302,24 +325,32 @@ def ttt_forward(
         aux = aux.to(drafter.fc.weight.dtype)
     hidden = drafter.fuse(aux)  # [B, T, 3*Ht] -> [B, T, H]
     positions = torch.arange(T, device=dev).expand(B, T)
+    chain_rows = batch.get("chain_rows")  # None: every step on every row
     cache = DynamicCache()
     loss = torch.zeros((), dtype=torch.float32, device=dev)
     stats = torch.zeros(ttt_steps, 3, dtype=torch.float32, device=dev)
     hits = []
     all_logits = [] if return_logits else None
     for j in range(ttt_steps):
-        out = drafter(
-            step_input_ids(ids, j),
-            hidden,
-            positions + j,
-            attention_mask=ttt_attention_mask(T, j, dev),
-            past_key_values=cache,
-            return_logits=False,
-        )
-        hidden = out.hidden_states  # [B, T, H]
+        if j == 0 or chain_rows is None:
+            tokens, pos, mask = step_input_ids(ids, j), positions + j, ttt_attention_mask(T, j, dev)
+        else:
+            Tp = chain_rows.shape[1]
+            if j == 1:  # enter the compact layout of the chain rows
+                if Tp == 0:
+                    break
+                hidden = hidden.gather(1, chain_rows[..., None].expand(B, Tp, hidden.shape[-1]))  # [B, T', H]
+                prefix = torch.arange(T, device=dev)[None, None, :] <= chain_rows[:, :, None]  # [B, T', T]
+                eye = torch.eye(Tp, dtype=torch.bool, device=dev).expand(B, Tp, Tp)
+            src = chain_rows + 1 + j
+            tokens = ids.gather(1, src.clamp(max=T - 1)).masked_fill(src >= T, 0)  # x[r+1+j]
+            pos = chain_rows + j
+            mask = torch.cat([prefix] + [eye] * j, dim=-1)[:, None]  # [B, 1, T', T + j*T']
+        out = drafter(tokens, hidden, pos, attention_mask=mask, past_key_values=cache, return_logits=False)
+        hidden = out.hidden_states  # [B, T or T', H]
         rows = batch["rows"][j]
         n = rows.numel()
-        logits = drafter.compute_logits(hidden.reshape(B * T, -1)[rows])  # [N_j, Vd]
+        logits = drafter.compute_logits(hidden.reshape(-1, hidden.shape[-1])[rows])  # [N_j, Vd]
         kl = kl_loss(logits, batch["target_ids"][j], batch["target_q"][j])  # [N_j]
         if n:
             loss = loss + (step_weight**j) * kl.sum() / n
@@ -329,7 +360,7 @@ def ttt_forward(
             stats[j, 1] = n
             stats[j, 2] = correct.sum()
             hit = torch.zeros(B * T, dtype=torch.bool, device=dev)
-            hit[rows] = correct  # rows without loss count as rejections
+            hit[batch["rows_full"][j] if chain_rows is not None else rows] = correct  # no loss = rejection
             hits.append(hit)
         if return_logits:
             all_logits.append(logits.detach())

@@ -50,9 +50,14 @@ def test_twelve_token_sample_loss_rows_and_attention():
     #   step 0: r+2 in labels -> r in {1,2,3,4,7,8,9}; p=9 is r=8            -> {1,2,3,4,7,9}
     #   step 1: r+3 in labels -> r in {0,1,2,3,6,7,8}; p=9 is r=7            -> {0,1,2,3,6,8}
     #   step 2: r+4 in labels -> r in {0,1,2,5,6,7};   p=9 is r=6            -> {0,1,2,5,7}
-    assert b["rows"][0].tolist() == [1, 2, 3, 4, 7, 9]
-    assert b["rows"][1].tolist() == [0, 1, 2, 3, 6, 8]
-    assert b["rows"][2].tolist() == [0, 1, 2, 5, 7]
+    assert b["rows_full"][0].tolist() == [1, 2, 3, 4, 7, 9]
+    assert b["rows_full"][1].tolist() == [0, 1, 2, 3, 6, 8]
+    assert b["rows_full"][2].tolist() == [0, 1, 2, 5, 7]
+    # steps >= 1 run only on rows with loss at some later step; rows 4, 9, 10, 11 drop out
+    assert b["chain_rows"][0].tolist() == [0, 1, 2, 3, 5, 6, 7, 8]
+    assert b["rows"][0].tolist() == [1, 2, 3, 4, 7, 9]  # step 0: every row
+    assert b["rows"][1].tolist() == [0, 1, 2, 3, 5, 7]  # slots of rows 0,1,2,3,6,8
+    assert b["rows"][2].tolist() == [0, 1, 2, 4, 6]  # slots of rows 0,1,2,5,7
     # chains start wherever the first label is generated, in vocabulary or not (r=8 rejects)
     assert b["chain_starts"].nonzero().flatten().tolist() == [1, 2, 3, 4, 7, 8, 9]
     # the targets of step 1, row 6 are the top-k at p = 8
@@ -81,6 +86,7 @@ def test_ttt_equals_chained_drafting_with_a_kv_cache():
     s = twelve_token_sample()
     J, T = 3, 12
     b = TTTCollator(T2D_INDEX, ttt_steps=J, max_length=64)([s])
+    del b["chain_rows"]  # every step on every row
     b["rows"] = [torch.arange(T)] * J  # logits of every row
     b["target_ids"] = [torch.zeros(T, 1, dtype=torch.long)] * J
     b["target_q"] = [torch.ones(T, 1)] * J
@@ -113,8 +119,8 @@ def test_loss_is_weighted_mean_kl_and_batching_pads_right():
     b = col([s1, bad, s2])
     assert b["skipped_nonfinite"] == 1 and b["sample_ids"] == ["s", "s"] and b["num_tokens"] == 20
     assert b["input_ids"].shape == (2, 12) and b["input_ids"][1, 8:].eq(0).all()
-    # sample 2 (length 8, all labels generated): step j rows 0..5-j, flat index 12 + r, minus p=... none >= 8
-    assert [r.tolist() for r in b["rows"][2][5:]] == [12, 13, 14, 15]
+    # sample 2 (length 8, all labels generated): step 2 rows 0..3, flat index 12 + r
+    assert b["rows_full"][2][5:].tolist() == [12, 13, 14, 15]
     out = ttt_forward(m, b, 3, step_weight=0.8, return_logits=True)
     ref = sum(0.8**j * kl_loss(out.logits[j], b["target_ids"][j], b["target_q"][j]).mean() for j in range(3))
     torch.testing.assert_close(out.loss, ref)
@@ -180,3 +186,30 @@ def test_simulated_acceptance_length():
     m = summarize(stats, acc.sum().item(), int(starts.sum()), 0.8)
     assert m["tau"] == 1 + 6 / 4 and m["step_acc"] == [0.75, 0.5, 1.0]
     assert m["step_loss"] == [0.5, 0.25, 0.25] and abs(m["loss"] - (0.5 + 0.8 * 0.25 + 0.64 * 0.25)) < 1e-12
+
+
+def test_chain_row_pruning_changes_nothing_but_the_work():
+    """Steps >= 1 on the compact chain rows give the same logits, loss and gradients
+    as running every step on every row."""
+    torch.manual_seed(3)
+    m = Eagle3Drafter(ARCH)
+    s1, s2 = twelve_token_sample(), twelve_token_sample()
+    s2["loss_mask"] = torch.tensor([0, 0, 0, 0, 0, 0, 1, 1, 1, 0, 0, 0], dtype=torch.uint8)
+    b = TTTCollator(T2D_INDEX, ttt_steps=4, max_length=64, pad_multiple=16)([s1, s2])
+    assert b["chain_rows"].shape == (2, 16)
+    full = dict(b, rows=b["rows_full"])
+    del full["chain_rows"]
+    outs = []
+    for batch in (b, full):
+        m.zero_grad()
+        o = ttt_forward(m, batch, 4, return_logits=True)
+        o.loss.backward()
+        outs.append((o, m.fc.weight.grad.clone(), m.lm_head.weight.grad.clone()))
+    (p, gp, hp), (f, gf, hf) = outs
+    for j in range(4):
+        torch.testing.assert_close(p.logits[j], f.logits[j], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(p.loss, f.loss)
+    torch.testing.assert_close(p.step_stats, f.step_stats)
+    assert p.accepted == f.accepted
+    torch.testing.assert_close(gp, gf, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(hp, hf, atol=1e-6, rtol=1e-5)
