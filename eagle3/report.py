@@ -98,14 +98,19 @@ def headline(results: dict) -> dict:
     return out
 
 
+def _lossless(b: dict) -> str:
+    if b.get("lossless_matches") is None:
+        return "-"
+    out = f"{b['lossless_matches']}/{b.get('lossless_checked', b.get('num_prompts'))}"
+    return out + (f" +{b['lossless_near_ties']} ties" if b.get("lossless_near_ties") else "")
+
+
 def tau_table(results: dict) -> str:
     """The console table: one row per benchmark."""
     head = ["benchmark", "prompts", "tau", "accept", "tok/s spec", "tok/s base", "speed-up", "lossless", "verdict"]
     rows = []
     for name, b in (results.get("benchmarks") or {}).items():
-        lossless = "-"
-        if b.get("lossless_matches") is not None:
-            lossless = f"{b['lossless_matches']}/{b.get('lossless_checked', b.get('num_prompts'))}"
+        lossless = _lossless(b)
         rows.append([
             name, _f(b.get("num_prompts")), _f(b.get("acceptance_length")), _f(b.get("acceptance_rate")),
             _f(b.get("tokens_per_s_spec"), 1), _f(b.get("tokens_per_s_base"), 1), _f(b.get("speedup")),
@@ -143,9 +148,7 @@ def render_markdown(results: dict, plots: dict[str, str]) -> str:
     rows = []
     for name, b in benches.items():
         d = b.get("diversity") or {}
-        lossless = "-"
-        if b.get("lossless_matches") is not None:
-            lossless = f"{b['lossless_matches']}/{b.get('lossless_checked', b.get('num_prompts'))}"
+        lossless = _lossless(b)
         rows.append([
             name, _f(b.get("num_prompts")), _f(b.get("acceptance_length")), _f(b.get("acceptance_rate")),
             _f(b.get("verify_passes")), _f(b.get("generated_tokens")), _f(b.get("tokens_per_s_spec"), 1),
@@ -156,7 +159,8 @@ def render_markdown(results: dict, plots: dict[str, str]) -> str:
         ["benchmark", "prompts", "tau", "acceptance rate", "verify passes", "generated tokens",
          "tok/s spec", "tok/s base", "speed-up", "decode speed-up", "lossless", "verdict"], rows))
     out.append("tok/s and speed-up: generated tokens over wall time including the prefill, batch 1; "
-               "decode speed-up leaves the prefill out.\n")
+               "decode speed-up leaves the prefill out. lossless: prompts whose speculative tokens equal the "
+               "target's own greedy tokens (+ prompts that first differ at a rounding tie of the top two logits).\n")
     depth = max((len(b.get("per_position_acceptance") or []) for b in benches.values()), default=0)
     if depth:
         out.append("\n## Per-position acceptance\n")

@@ -219,3 +219,23 @@ def test_finished_benchmarks_are_resumed(tmp_path):
     res2, recs2, _ = evaluate_hf({"x": benches["x"]}, NoDecoder(), render, decode, s, warmup_prompts=1,
                                  progress=False, done={"x": back})
     assert recs2 == [r for r in recs1 if r.benchmark == "x"] and res2["x"] == res1["x"]
+
+
+def test_diagnose_mismatch_measures_the_logit_gap():
+    from eagle3.evaluate import diagnose_mismatch
+    from eagle3.spec_decode import target_generate
+
+    target = tiny_target()
+    runner = TargetRunner(target)
+    prompt = [1, 2, 40, 50, 3]
+    s, _ = SpecSettings.make(1, 1, 2, max_new_tokens=6)
+    base = target_generate(runner, prompt, s).tokens
+    with torch.no_grad():
+        logits = target(torch.tensor([prompt + base[:3]])).logits[0, -1]
+    second = int(logits.topk(2).indices[1])
+    spec = base[:3] + [second, 7]
+    d = diagnose_mismatch(runner, prompt, spec, base)
+    assert d["index"] == 3 and d["spec_token"] == second and d["base_token"] == base[3]
+    assert d["logit_gap"] == pytest.approx(float(logits[base[3]] - logits[second]), abs=1e-4)
+    assert d["tie"] is False  # float32: a real gap is far above rounding
+    assert diagnose_mismatch(runner, prompt, base[:2], base)["tie"] is False  # ended earlier

@@ -75,8 +75,11 @@ def test_verdicts():
     v, notes = verdict({**ok, "diversity": {"loops": True, "looping_outputs": 3, "longest_loop_max": 90},
                         "acceptance_length_non_looping": 2.1})
     assert v == "loops" and "2.10" in notes[0]
-    v, _ = verdict({**ok, "lossless_matches": 4})
-    assert v == "not-lossless"
+    v, notes = verdict({**ok, "lossless_matches": 4})
+    assert v == "not-lossless" and "a bug" in notes[0]
+    v, notes = verdict({**ok, "lossless_matches": 3, "lossless_near_ties": 2})
+    assert v == "OK" and "tie within rounding" in notes[0]
+    assert verdict({**ok, "lossless_matches": 3, "lossless_near_ties": 1})[0] == "not-lossless"
     served = {**ok, "concurrency": [{"concurrency": 1, "speedup": 1.5}, {"concurrency": 128, "speedup": 0.4}]}
     v, notes = verdict(served, spec_cap=48)
     assert v == "throttled" and "48" in notes[0]
