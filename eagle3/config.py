@@ -179,6 +179,7 @@ class CaptureConfig:
     max_length: int = 2048  # tokens per sample; longer samples are truncated (counted)
     shard_size_mb: float = 256.0  # MB of features per shard (sets samples per shard)
     regenerate: bool = True  # regenerate assistant turns with the target
+    max_turns: Optional[int] = None  # user turns kept (and answered) per conversation; None = all
 
 
 @dataclass

@@ -93,6 +93,8 @@ def _check_settings(cfg) -> None:
         raise Eagle3Error(f"sampling.max_new_tokens={smp.max_new_tokens} must be at least 1")
     if smp.temperature < 0 or not 0 < smp.top_p <= 1:
         raise Eagle3Error("sampling.temperature must be >= 0 and sampling.top_p in (0, 1]")
+    if cap.max_turns is not None and cap.max_turns < 1:
+        raise Eagle3Error(f"capture.max_turns={cap.max_turns} must be at least 1 (or null for all turns)")
     if cap.shard_size_mb <= 0:
         raise Eagle3Error(f"capture.shard_size_mb={cap.shard_size_mb} must be positive")
 
@@ -121,14 +123,29 @@ class _Conv:
     cut: bool = False  # stopped early: the next prompt would not fit in max_length
 
 
-def _plan_turns(messages: list[dict]) -> tuple[list[dict], list[dict]]:
-    """System messages (kept) and user turns (each gets a regenerated reply)."""
+def _plan_turns(messages: list[dict], max_turns: Optional[int] = None) -> tuple[list[dict], list[dict]]:
+    """System message (kept) and the first ``max_turns`` user turns (each gets a regenerated reply)."""
     system = [dict(m) for m in messages if m["role"] == "system"][:1]
     users = [dict(m) for m in messages if m["role"] == "user"]
-    return system, users
+    return system, users if max_turns is None else users[: int(max_turns)]
 
 
-def regenerate(engine, tokenizer, conversations: list[tuple[str, list[dict]]], sampling, max_length: int, seed: int) -> tuple[dict[str, list[dict]], dict[str, Any]]:
+def keep_turns(messages: list[dict], max_turns: Optional[int]) -> list[dict]:
+    """``messages`` up to (not including) its ``max_turns + 1``-th user turn."""
+    if max_turns is None:
+        return list(messages)
+    out, users = [], 0
+    for m in messages:
+        if m["role"] == "user":
+            users += 1
+            if users > max_turns:
+                break
+        out.append(m)
+    return out
+
+
+def regenerate(engine, tokenizer, conversations: list[tuple[str, list[dict]]], sampling, max_length: int, seed: int,
+               max_turns: Optional[int] = None) -> tuple[dict[str, list[dict]], dict[str, Any]]:
     """Regenerate every assistant turn with the target, turn by turn, batched across
     conversations.
 
@@ -148,7 +165,7 @@ def regenerate(engine, tokenizer, conversations: list[tuple[str, list[dict]]], s
 
     convs = []
     for sid, msgs in conversations:
-        system, users = _plan_turns(msgs)
+        system, users = _plan_turns(msgs, max_turns)
         convs.append(_Conv(sid, system, users))
     stats: dict[str, Any] = {"generated_tokens": 0, "turns": 0, "too_long": [], "cut": [], "generated_by_id": {}}
     r = 0
@@ -218,7 +235,8 @@ def _metadata(cfg, target, engine, tokenizer) -> dict:
         "engine": engine.info(),
         "sampling": dataclasses.asdict(cfg.sampling) if dataclasses.is_dataclass(cfg.sampling) else dict(cfg.sampling),
         "regenerate": bool(cfg.capture.regenerate),
-        "capture": {"top_k": int(cfg.capture.top_k), "max_length": int(cfg.capture.max_length)},
+        "capture": {"top_k": int(cfg.capture.top_k), "max_length": int(cfg.capture.max_length),
+                    "max_turns": cfg.capture.max_turns},
         "data": {
             "name": d.name,
             "source": d.source,
@@ -241,12 +259,12 @@ def _estimate_tokens(tokenizer, rows: list[list[dict]], cfg) -> tuple[list[int],
     est, too_long = [], 0
     max_length = int(cfg.capture.max_length)
     for msgs in rows:
-        system, users = _plan_turns(msgs)
+        system, users = _plan_turns(msgs, cfg.capture.max_turns)
         too_long += len(render_prompt(tokenizer, system + users[:1])) >= max_length
         if cfg.capture.regenerate:
             n = len(render_prompt(tokenizer, system + users)) + len(users) * int(cfg.sampling.max_new_tokens)
         else:
-            n = len(render_prompt(tokenizer, msgs))
+            n = len(render_prompt(tokenizer, keep_turns(msgs, cfg.capture.max_turns)))
         est.append(min(n, max_length))
     return est, too_long
 
@@ -346,10 +364,12 @@ def run_extract(cfg) -> dict:
             window_shards = list(range(w * width, min((w + 1) * width, len(chunks))))
             convs = [(sid, messages_by_id[sid]) for s in window_shards for sid, _ in chunks[s]]
             if cfg.capture.regenerate:
-                final, gstats = regenerate(engine, tokenizer, convs, cfg.sampling, max_length, seed=cfg.sampling.seed + w)
+                final, gstats = regenerate(engine, tokenizer, convs, cfg.sampling, max_length, seed=cfg.sampling.seed + w,
+                                           max_turns=cfg.capture.max_turns)
                 too_long, cut, gen_by_id = set(gstats["too_long"]), set(gstats["cut"]), gstats["generated_by_id"]
             else:
-                final, too_long, cut, gen_by_id = dict(convs), set(), set(), {}
+                final = {sid: keep_turns(m, cfg.capture.max_turns) for sid, m in convs}
+                too_long, cut, gen_by_id = set(), set(), {}
             for index in shard_indices:
                 records_in, dropped, truncated = [], {}, []
                 for sid, split in chunks[index]:

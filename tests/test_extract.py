@@ -75,7 +75,8 @@ def test_extract_end_to_end_and_resume(tiny_target_dir, tmp_path, monkeypatch, c
     assert full["samples"] == 6 and full["dropped"] == 1 and "max_length" in next(iter(full["dropped_reasons"]))
     meta = m["metadata"]
     assert meta["aux_layer_ids"] == [2, 4, 5] and meta["aux_layer_convention"] == "hf_output_hidden_states"
-    assert meta["target"]["content_hash"].startswith("sha256:") and meta["capture"] == {"top_k": 4, "max_length": 96}
+    assert meta["target"]["content_hash"].startswith("sha256:")
+    assert meta["capture"] == {"top_k": 4, "max_length": 96, "max_turns": None}
     assert meta["engine"]["name"] == "hf" and "torch" in meta["versions"]
     assert sorted(m["splits"]) == ["test", "train", "validation"]
     assert sum(len(v) for v in m["splits"].values()) == 7
@@ -145,6 +146,12 @@ def test_without_regeneration_long_samples_are_truncated(tiny_target_dir, tmp_pa
     tok = __import__("transformers").AutoTokenizer.from_pretrained(tiny_target_dir)
     # the original assistant text is kept when not regenerating
     assert "Tell me about the sea.<|im_end|>\n<|im_start|>assistant\nx<|im_end|>" in tok.decode(t["input_ids"].tolist())
+    cfg = _cfg(tiny_target_dir, tmp_path, data, tmp_path / "one_turn", max_length=200)
+    cfg.capture.regenerate, cfg.capture.max_turns = False, 1
+    run_extract(cfg)
+    _, shards = _shards(tmp_path / "one_turn")
+    text = tok.decode(next(iter(shards.values()))["input_ids"].tolist())
+    assert "assistant\nHello<|im_end|>" in text and "How are you?" not in text
 
 
 @pytest.mark.parametrize(
@@ -229,3 +236,50 @@ def test_real_smollm2_int4_smoke(tmp_path):
     assert x["aux_hidden_states"].shape[1:] == (3, 576) and x["topk_ids"].shape[1] == 20
     masked = x["input_ids"][x["loss_mask"].bool()]
     assert masked[-1].item() == 2 or len(masked) == 12  # ends at <|im_end|> or at max_new_tokens
+
+
+class _EchoEngine:
+    """Replies '<turn r of conversation>' as tokens, ending with <|im_end|>; records its prompts."""
+
+    def __init__(self, tok):
+        self.tok, self.prompts = tok, []
+
+    def generate(self, prompts, sampling):
+        self.prompts += prompts
+        outs = []
+        for p in prompts:
+            n_user = self.tok.decode(p).count("<|im_start|>user")
+            outs.append(self.tok(f"reply {n_user}", add_special_tokens=False)["input_ids"][: sampling.max_new_tokens] + [2])
+        return outs
+
+
+def test_regenerate_turn_by_turn_with_system_kept_and_turn_cap(tiny_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    from eagle3.extract import keep_turns, regenerate
+
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    eng = _EchoEngine(tok)
+    convs = [
+        ("a", [{"role": "system", "content": "S"}, {"role": "user", "content": "u1"}, {"role": "assistant", "content": "old"},
+               {"role": "user", "content": "u2"}]),
+        ("b", [{"role": "user", "content": "only"}]),
+        ("c", [{"role": "user", "content": "x " * 200}]),  # first prompt too long
+    ]
+    final, st = regenerate(eng, tok, convs, SamplingConfig(max_new_tokens=8), max_length=120, seed=0)
+    assert final["a"] == [{"role": "system", "content": "S"}, {"role": "user", "content": "u1"},
+                          {"role": "assistant", "content": "reply 1"}, {"role": "user", "content": "u2"},
+                          {"role": "assistant", "content": "reply 2"}]
+    assert final["b"] == [{"role": "user", "content": "only"}, {"role": "assistant", "content": "reply 1"}]
+    assert "c" not in final and st["too_long"] == ["c"] and st["cut"] == []
+    n = len(tok("reply 1", add_special_tokens=False)["input_ids"]) + 1  # + <|im_end|>
+    assert st["generated_by_id"] == {"a": 2 * n, "b": n}
+    # the second prompt of "a" contains the target's own first reply, not the original one
+    assert "reply 1" in tok.decode(eng.prompts[-1]) and "old" not in tok.decode(eng.prompts[-1])
+    capped, _ = regenerate(_EchoEngine(tok), tok, convs[:1], SamplingConfig(max_new_tokens=8), 120, 0, max_turns=1)
+    assert capped["a"][-1] == {"role": "assistant", "content": "reply 1"} and len(capped["a"]) == 3
+    assert keep_turns(convs[0][1], 1) == convs[0][1][:3]
+    # a conversation whose second prompt does not fit stops after its first reply
+    cut, st = regenerate(_EchoEngine(tok), tok, [("d", [{"role": "user", "content": "hi"}, {"role": "user", "content": "y " * 150}])],
+                         SamplingConfig(max_new_tokens=8), 120, 0)
+    assert st["cut"] == ["d"] and cut["d"][-1]["content"] == "reply 1"
