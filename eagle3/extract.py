@@ -463,7 +463,7 @@ def format_summary(s: dict) -> str:
     return "\n".join(lines)
 
 
-def unknown_group_choice(overrides: list[str], conf_dir: Path, groups=("model", "data", "engine")) -> Optional[str]:
+def unknown_group_choice(overrides: list[str], conf_dir: Path, groups=("model", "data", "engine", "experiment")) -> Optional[str]:
     """One sentence naming an unknown config-group choice on the command line, or None.
 
     Hydra reports a missing group option with a multi-line message and a traceback

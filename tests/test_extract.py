@@ -208,6 +208,9 @@ def test_configs_compose_and_kimi_without_a_server_says_what_is_missing(tmp_path
         assert default.model.name == "smollm2-135m-int4" and default.engine.name == "hf" and default.data.name == "sharegpt"
         for data in ("sharegpt", "gsm8k", "humaneval", "mtbench", "jsonl"):
             assert to_typed(compose("extract", [f"data={data}"])).data.source
+        quick = to_typed(compose("extract", ["experiment=extract-cpu"]))
+        assert (quick.model.dtype, quick.capture.max_turns, quick.output_dir) == (
+            "float32", 1, "data/features/smollm2-135m-int4-cpu/sharegpt")
         kimi = to_typed(compose("extract", ["model=kimi-k25-int4", f"output_dir={tmp_path / 'k'}", f"cache_dir={tmp_path}"]))
     assert kimi.engine.name == "sglang" and kimi.model.num_layers == 61 and kimi.model.aux_layer_ids == [2, 30, 58]
     with pytest.raises(Eagle3Error, match="SGLang|sglang"):
