@@ -239,3 +239,54 @@ def test_diagnose_mismatch_measures_the_logit_gap():
     assert d["logit_gap"] == pytest.approx(float(logits[base[3]] - logits[second]), abs=1e-4)
     assert d["tie"] is False  # float32: a real gap is far above rounding
     assert diagnose_mismatch(runner, prompt, base[:2], base)["tie"] is False  # ended earlier
+
+
+def test_sglang_engine_dispatch_reports_its_results(tmp_path):
+    """engine=sglang: benchmarks and export meta go to eagle3.sglang_eval, its results to the report."""
+    import sys
+
+    from eagle3.chat import chat_template_hash
+    from eagle3.config import EvaluateConfig, ModelConfig, SGLangEngineConfig, SpeculativeConfig
+    from eagle3.drafter import DrafterArch, Eagle3Drafter
+    from eagle3.evaluate import run_evaluate
+    from eagle3.export import export_sglang
+    from transformers import AutoTokenizer
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from fake_sglang import FakeConfig, FakeSGLang, write_tiny_chat_tokenizer
+
+    tok_dir = write_tiny_chat_tokenizer(tmp_path / "tok", 512)
+    servers = [FakeSGLang(FakeConfig(hidden_size=4, vocab_size=512, speculative=False)),
+               FakeSGLang(FakeConfig(hidden_size=4, vocab_size=512, speculative=True,
+                                     effective_max_running_requests=48))]
+    for s in servers:
+        s.start()
+    try:
+        arch = DrafterArch(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
+                           intermediate_size=16, num_layers=1, target_hidden_size=4, vocab_size=512,
+                           draft_vocab_size=64)
+        meta = {"target": {"name": "fake-bf16", "content_hash": "sha256:bf16-features",
+                           "quantization": {"method": "none"}, "architecture": "llama"},
+                "chat_template_hash": chat_template_hash(AutoTokenizer.from_pretrained(tok_dir)),
+                "aux_layer_ids": [2, 4, 5]}
+        export_sglang(Eagle3Drafter(arch), tmp_path / "export", meta)
+        model = ModelConfig(name="fake-target", source="org/fake-target", architecture="llama", num_layers=8,
+                            hidden_size=4, vocab_size=512, tokenizer=tok_dir)
+        model.quantization.method = "w4a16"
+        cfg = EvaluateConfig(
+            model=model,
+            engine=SGLangEngineConfig(baseline_url=servers[0].url, speculative_url=servers[1].url, max_retries=2,
+                                      backoff_s=0.001),
+            data=BenchmarksConfig(names=["gsm8k"], limit=2), speculative=SpeculativeConfig(3, 1, 4),
+            max_new_tokens=8, warmup_prompts=0, concurrency=[1, 64], drafter_dir=str(tmp_path / "export"),
+            output_dir=str(tmp_path / "out"), cache_dir=str(tmp_path / "models"))
+        run_evaluate(cfg)
+    finally:
+        for s in servers:
+            s.stop()
+    rep = json.loads((tmp_path / "out" / "report.json").read_text())
+    g = rep["benchmarks"]["gsm8k"]
+    assert rep["engine"] == "sglang" and g["num_prompts"] == 2 and g["max_running_requests"] == 48
+    assert g["acceptance_length"] > 1 and "verdict" in g and g["settings"]["num_steps"] == 3
+    assert any(w.startswith("drafter trained on features of a different target/quantization") for w in rep["warnings"])
+    assert (tmp_path / "out" / "report.md").is_file() and (tmp_path / "out" / "metrics.json").is_file()
