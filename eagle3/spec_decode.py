@@ -304,7 +304,7 @@ class TargetRunner:
             dtype = next(self.model.parameters()).dtype
             zero = torch.zeros((), dtype=dtype, device=mask.device)
             return torch.where(mask, zero, torch.finfo(dtype).min)
-        if self.attn_implementation in ("sdpa", "flex_attention"):
+        if self.attn_implementation == "sdpa":
             return mask
         raise Eagle3Error(
             f"tree verification needs a custom attention mask, which attn_implementation="
