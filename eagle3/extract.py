@@ -4,10 +4,11 @@ Order of work (cheap checks first, so a misconfiguration fails in seconds):
 
 1. validate settings; resolve the target (a hub-only target costs nothing here; a
    package target is built once into ``cache_dir``) and validate its aux layer ids;
-2. start the engine (``hf`` loads the model; ``sglang`` connects to / launches a
-   server, and says what is missing when it cannot);
-3. load the prompts, split them (deterministic by sample id), apply ``data.limit``;
-4. preflight: estimated bytes against free disk;
+2. a remote engine (``sglang``) connects to / launches its server now, and says what
+   is missing when it cannot;
+3. load the tokenizer and the prompts, split them (deterministic by sample id), apply
+   ``data.limit``;
+4. preflight: estimated bytes against free disk; then the ``hf`` engine loads the model;
 5. per window of shards: regenerate every assistant turn in order, batched across
    conversations (system prompt kept, user turns as given); render each conversation
    with the chat template once (loss mask from token offsets, :mod:`eagle3.chat`);
@@ -145,7 +146,7 @@ def keep_turns(messages: list[dict], max_turns: Optional[int]) -> list[dict]:
 
 
 def regenerate(engine, tokenizer, conversations: list[tuple[str, list[dict]]], sampling, max_length: int, seed: int,
-               max_turns: Optional[int] = None) -> tuple[dict[str, list[dict]], dict[str, Any]]:
+               max_turns: Optional[int] = None, on_turn=None) -> tuple[dict[str, list[dict]], dict[str, Any]]:
     """Regenerate every assistant turn with the target, turn by turn, batched across
     conversations.
 
@@ -153,7 +154,8 @@ def regenerate(engine, tokenizer, conversations: list[tuple[str, list[dict]]], s
     reply to user turn ``r`` is generated from the rendered conversation so far (with
     the target's own earlier replies). A conversation stops early when its next prompt
     would leave no room under ``max_length`` (later turns would be cut anyway), and
-    each reply is capped so that prompt + reply fits in ``max_length``.
+    each reply is capped so that prompt + reply fits in ``max_length``. ``on_turn(r, n)``
+    is called before turn ``r`` is generated for ``n`` conversations (progress display).
 
     Returns:
         ``(messages by sample id, stats)``; a sample whose first prompt alone does not
@@ -187,6 +189,8 @@ def regenerate(engine, tokenizer, conversations: list[tuple[str, list[dict]]], s
                 continue
             prompts.append(ids)
             owners.append(c)
+        if on_turn is not None:
+            on_turn(r, len(prompts))
         # group by the room left under max_length so no reply is generated past it
         full = int(sampling.max_new_tokens)
         groups: dict[int, list[int]] = {}
@@ -205,7 +209,7 @@ def regenerate(engine, tokenizer, conversations: list[tuple[str, list[dict]]], s
             stats["generated_tokens"] += len(out)
             stats["generated_by_id"][c.sample_id] = stats["generated_by_id"].get(c.sample_id, 0) + len(out)
             stats["turns"] += 1
-            text = tokenizer.decode(out, skip_special_tokens=True)
+            text = tokenizer.decode(out, skip_special_tokens=True, clean_up_tokenization_spaces=False)
             c.prefix = c.prefix + [c.users[r], {"role": "assistant", "content": text}]
         r += 1
     result = {c.sample_id: c.prefix for c in convs if c.sample_id not in set(stats["too_long"])}
@@ -302,11 +306,13 @@ def run_extract(cfg) -> dict:
     cache_dir = Path(cfg.cache_dir)
     max_length, top_k = int(cfg.capture.max_length), int(cfg.capture.top_k)
 
-    # 1-2. target and engine (a remote engine reports a missing server here, before any data work)
+    # 1-2. target; a remote engine is reached now (a missing server fails before any data work),
+    # the in-process one is loaded after the data checks (its load is the expensive step)
     target = resolve_target(cfg.model, cache_dir)
-    engine = build_engine(cfg.model, cfg.engine, cache_dir, out_dir)
+    remote = getattr(cfg.engine, "name", None) != "hf"
+    engine = build_engine(cfg.model, cfg.engine, cache_dir, out_dir) if remote else None
     try:
-        tokenizer = getattr(engine, "tokenizer", None) or load_tokenizer(cfg.model, cache_dir, target)
+        tokenizer = load_tokenizer(cfg.model, cache_dir, target)
 
         # 3. prompts
         data_stats: dict = {}
@@ -327,15 +333,12 @@ def run_extract(cfg) -> dict:
                 f"capture.max_length={max_length}, so nothing is trainable; raise capture.max_length or use shorter prompts"
             )
         per_shard = features.samples_per_shard(cfg.capture.shard_size_mb, target.hidden_size, top_k, sum(est) / len(est))
-        metadata = _metadata(cfg, target, engine, tokenizer)
         done_ids: set[str] = set()
-        existing_bytes = 0
         if (out_dir / features.MANIFEST).exists():
             old = features.load_manifest(out_dir, require_complete=False)
             per_shard = int(old.get("samples_per_shard", per_shard))
             for sh in old.get("shards", []):
                 done_ids.update(p[0] for p in old["plan"][sh["index"] * per_shard:(sh["index"] + 1) * per_shard])
-                existing_bytes += int(sh.get("bytes", 0))
         need = features.estimate_bytes(sum(n for i, n in zip(ids, est) if i not in done_ids), target.hidden_size, top_k)
         free = free_disk_bytes(out_dir)
         if need * DISK_MARGIN > free:
@@ -347,6 +350,9 @@ def run_extract(cfg) -> dict:
         log.info("extract: %d prompts (%s), about %s on disk, %d samples per shard", len(plan), data_stats, _human_bytes(need), per_shard)
 
         # 5. extraction
+        if engine is None:
+            engine = build_engine(cfg.model, cfg.engine, cache_dir, out_dir)
+        metadata = _metadata(cfg, target, engine, tokenizer)
         writer = features.FeatureWriter.open(out_dir, metadata, plan, per_shard, splits=splits)
         pending = writer.pending()
         width = max(1, math.ceil(_generation_width(cfg.engine) / per_shard))  # shards per window
@@ -365,7 +371,8 @@ def run_extract(cfg) -> dict:
             convs = [(sid, messages_by_id[sid]) for s in window_shards for sid, _ in chunks[s]]
             if cfg.capture.regenerate:
                 final, gstats = regenerate(engine, tokenizer, convs, cfg.sampling, max_length, seed=cfg.sampling.seed + w,
-                                           max_turns=cfg.capture.max_turns)
+                                           max_turns=cfg.capture.max_turns,
+                                           on_turn=lambda r, n: bar.set_postfix_str(f"generating turn {r + 1} of {n} conversations"))
                 too_long, cut, gen_by_id = set(gstats["too_long"]), set(gstats["cut"]), gstats["generated_by_id"]
             else:
                 final = {sid: keep_turns(m, cfg.capture.max_turns) for sid, m in convs}
@@ -408,7 +415,8 @@ def run_extract(cfg) -> dict:
         bar.close()
         wall = time.time() - t_run
     finally:
-        engine.close()
+        if engine is not None:
+            engine.close()
 
     # 6. summary (counts over the whole folder; timing of this run)
     manifest = writer.manifest
