@@ -327,9 +327,10 @@ def evaluate(accelerator, model: TTTModel, loader, step_weight: float) -> Option
     drafter.train(was_training)
     if stats is None:
         return None
+    totals = accelerator.reduce(torch.tensor([float(accepted), chains, samples], device=stats.device), "sum")
     stats = accelerator.reduce(stats, "sum")
-    m = summarize(stats, float(accepted), chains, step_weight)
-    m["samples"] = samples
+    m = summarize(stats, float(totals[0]), int(totals[1]), step_weight)
+    m["samples"] = int(totals[2])
     return m
 
 
