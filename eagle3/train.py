@@ -441,6 +441,16 @@ def train_drafter(
             tmp = vocab_path.with_name(vocab_path.name + ".tmp")
             save_file({"d2t": d2t, "t2d": t2d, "counts": counts}, str(tmp))
             os.replace(tmp, vocab_path)
+    if int(counts.sum()) == 0:
+        raise Eagle3Error(
+            f"the training samples in {dirs[0]} have no loss-masked (assistant) tokens; the chat template "
+            "marks no generated turns; fix the template or the data and re-extract"
+        )
+    masked = sum(sh["masked_tokens"] for m in train_ds.manifests for sh in m["shards"])
+    total = sum(sh["tokens"] for m in train_ds.manifests for sh in m["shards"])
+    if total and masked / total > 0.99:
+        log.warning("%.1f%% of the tokens carry loss: the loss mask looks degenerate (prompts included?)",
+                    100 * masked / total)
     coverage = float(counts[t2d].sum()) / max(1, int(counts.sum()))
 
     # ---- model

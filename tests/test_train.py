@@ -32,7 +32,7 @@ def tiny_target(content_hash="sha256:tiny", **kw):
     return types.SimpleNamespace(**d)
 
 
-def write_features(d, n=24, content_hash="sha256:tiny", nan_ids=(), seed=0, val_every=6):
+def write_features(d, n=24, content_hash="sha256:tiny", nan_ids=(), seed=0, val_every=6, no_labels=False):
     """A learnable toy: the target's next token is (3 * token + 1) mod V."""
     g = torch.Generator().manual_seed(seed)
     plan = [(f"s{i}", "validation" if i % val_every == val_every - 1 else "train") for i in range(n)]
@@ -55,7 +55,7 @@ def write_features(d, n=24, content_hash="sha256:tiny", nan_ids=(), seed=0, val_
             top = torch.stack([(3 * ids.long() + 1 + k) % V for k in range(K)], 1).int()
             lp = torch.log_softmax(torch.tensor([4.0, 1.0, 0.5, 0.0]), -1).expand(T, K).clone()
             mask = torch.ones(T, dtype=torch.uint8)
-            mask[:2] = 0
+            mask[: T if no_labels else 2] = 0
             recs.append(Record(sid, split, ids, mask, Capture(aux.bfloat16(), top, lp)))
         w.write_shard(idx, recs)
     return w.finalize()
@@ -183,6 +183,9 @@ def test_input_checks(tmp_path):
     train_drafter(make_cfg(tmp_path / "a", tmp_path / "r", **{"loop.max_steps": 1}), tgt, E, stop_after=1)
     with pytest.raises(Eagle3Error, match="drafter.ttt_steps=3.*now 2"):
         train_drafter(make_cfg(tmp_path / "a", tmp_path / "r", **{"loop.max_steps": 1, "drafter.ttt_steps": 2}), tgt, E)
+    write_features(tmp_path / "nolabels", no_labels=True)
+    with pytest.raises(Eagle3Error, match="no loss-masked"):
+        train_drafter(make_cfg(tmp_path / "nolabels", tmp_path / "o3"), tgt, E)
     with pytest.raises(Eagle3Error, match="num_layers"):
         train_drafter(make_cfg(tmp_path / "a", tmp_path / "o2", **{"drafter.num_layers": 2}), tgt, E)
 
