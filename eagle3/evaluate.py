@@ -554,6 +554,12 @@ def run_evaluate(cfg) -> dict:
     model, tokenizer, info = load_target(cfg.model, cfg.cache_dir, device=str(device),
                                          attn_implementation=cfg.engine.attn_implementation)
     warnings += check_export(meta, info, chat_template_hash(tokenizer))
+    feat_dtype = (((manifest or {}).get("metadata") or {}).get("target") or {}).get("dtype")
+    if feat_dtype and feat_dtype != cfg.model.dtype:
+        warnings.append(
+            f"the drafter's features were extracted with the target computing in {feat_dtype}, but it is evaluated "
+            f"in {cfg.model.dtype}; set model.dtype={feat_dtype} to serve the numerics it was trained on"
+        )
     drafter, meta = load_sglang_export(drafter_dir, embed_tokens=model.get_input_embeddings().weight, device=device)
     arch = drafter.arch
     if arch.vocab_size != info.vocab_size or arch.target_hidden_size != info.hidden_size:
