@@ -546,6 +546,12 @@ def load_target(model_cfg, cache_dir, device="cpu", attn_implementation="sdpa"):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*quantization_config.*")
         model = AutoModelForCausalLM.from_pretrained(info.path, **kw)
+    if "quantization_config" in kw:
+        # compressed-tensors may dispatch the loaded model with CPU offloading (seen on a
+        # CUDA machine: parameters stay on the CPU and .to() does not move them); undo it
+        from compressed_tensors.offload import remove_dispatch
+
+        remove_dispatch(model)
     model.to(device).eval()
     return model, tok, info
 
