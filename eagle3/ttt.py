@@ -265,19 +265,6 @@ def batch_to(batch: dict, device: torch.device | str, non_blocking: bool = True)
     return {k: mv(v) for k, v in batch.items()}
 
 
-def pin_batch(batch: dict) -> dict:
-    """Pin the CPU tensors of a collated batch (for asynchronous host-to-device copies)."""
-
-    def pin(x):
-        if isinstance(x, torch.Tensor):
-            return x.pin_memory()
-        if isinstance(x, list) and x and isinstance(x[0], torch.Tensor):
-            return [t.pin_memory() for t in x]
-        return x
-
-    return {k: pin(v) for k, v in batch.items()}
-
-
 # ------------------------------------------------------------------- the unroll
 @dataclass
 class TTTOutput:

@@ -2,7 +2,6 @@
 
 import json
 import os
-import pickle
 import subprocess
 import sys
 import types
