@@ -34,6 +34,7 @@ from eagle3.models import TargetInfo, load_target
 log = logging.getLogger("eagle3")
 
 LOGITS_CHUNK_BYTES = 1 << 29  # float32 logits per top-k chunk: 512 MiB
+GENERATE_TOKEN_FACTOR = 8  # a generate batch holds <= 8 x max_batch_tokens padded prompt + new tokens
 # Batch sizes when the engine config leaves them unset (None), by device type.
 # cpu: small batches (2-16 cores; bigger ones only add padding); cuda: generation is
 # bound by per-step overhead, so wide batches are nearly free.
@@ -153,8 +154,9 @@ class HFEngine(Engine):
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], sampling) -> list[list[int]]:
         """Batched generation (see :meth:`Engine.generate`): batches of at most
-        ``engine.generate_batch_size`` prompts, longest first, seeded with
-        ``sampling.seed`` per call when sampling."""
+        ``engine.generate_batch_size`` prompts and 8 x ``engine.max_batch_tokens`` padded
+        prompt + new tokens (the KV cache), longest first, seeded with ``sampling.seed``
+        per call when sampling."""
         from transformers import GenerationConfig
 
         if not prompts:
@@ -174,7 +176,8 @@ class HFEngine(Engine):
         lengths = [len(p) for p in prompts]
         out: list[Optional[list[int]]] = [None] * len(prompts)
         stop = set(self.stop_ids)
-        for idx in _batches(lengths, self.batch["generate_batch_size"], 1 << 62):
+        budget = GENERATE_TOKEN_FACTOR * self.batch["max_batch_tokens"]  # prompt + new tokens per batch
+        for idx in _batches(lengths, self.batch["generate_batch_size"], budget, int(sampling.max_new_tokens)):
             width = max(lengths[i] for i in idx)
             ids, mask = left_pad([prompts[i] for i in idx], self.pad_id)
             gen = self.model.generate(
