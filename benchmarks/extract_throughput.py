@@ -48,10 +48,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--top-k", type=int, default=20)
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default=None, help="override model.dtype (e.g. float32 on CPUs without bf16)")
     ap.add_argument("--cache-dir", default=str(ROOT / "data" / "models"))
     a = ap.parse_args(argv)
 
     model_cfg = _model_cfg(a.model)
+    if a.dtype:
+        model_cfg.dtype = a.dtype
     B, T = a.batch_size, a.seq_len
     eng_cfg = HFEngineConfig(device=a.device, capture_batch_size=B, max_batch_tokens=B * T)
     engine = HFEngine.from_config(model_cfg, eng_cfg, a.cache_dir)
