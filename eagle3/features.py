@@ -334,7 +334,9 @@ class FeatureWriter:
             flat["offsets"] = offsets
             name = shard_name(index)
             tmp = self.out_dir / (name + ".tmp")
-            save_file(flat, str(tmp), metadata={"format": FORMAT, "version": str(VERSION)})
+            # one metadata key: safetensors writes a header map in arbitrary order, and shards must be
+            # byte-identical between an interrupted and an uninterrupted run
+            save_file(flat, str(tmp), metadata={"format": f"{FORMAT}/{VERSION}"})
             digest = sha256_file(tmp)
             os.replace(tmp, self.out_dir / name)
             entry.update(
