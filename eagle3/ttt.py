@@ -172,10 +172,13 @@ class TTTCollator:
     @staticmethod
     def is_finite(sample: dict) -> bool:
         """False when the aux states hold NaN/Inf or the log-probs NaN/+Inf."""
+        aux = sample["aux_hidden_states"]
+        if aux.dtype == torch.bfloat16:  # NaN/Inf <=> exponent bits all set: |bits| >= 0x7F80
+            bad_aux = int((aux.view(torch.int16) & 0x7FFF).max()) >= 0x7F80  # ~8x faster than isfinite
+        else:
+            bad_aux = not bool(torch.isfinite(aux).all())
         lp = sample["topk_logprobs"]
-        return bool(torch.isfinite(sample["aux_hidden_states"]).all()) and not bool(
-            (torch.isnan(lp) | (lp == float("inf"))).any()
-        )
+        return not bad_aux and not bool((torch.isnan(lp) | (lp == float("inf"))).any())
 
     def __call__(self, samples: Sequence[dict]) -> dict[str, Any]:
         good = [s for s in samples if self.is_finite(s)]
@@ -185,54 +188,48 @@ class TTTCollator:
         T = -(-T // self.pad_multiple) * self.pad_multiple  # aligned keys suit the fused SDPA kernels
         J = self.ttt_steps
         H3 = good[0]["aux_hidden_states"].shape[1] * good[0]["aux_hidden_states"].shape[2] if good else 0
+        k = good[0]["topk_ids"].shape[1] if good else 1
         input_ids = torch.zeros(B, T, dtype=torch.int64)
         aux = torch.zeros(B, T, H3, dtype=torch.bfloat16)
-        rows = [[] for _ in range(J)]
-        tids = [[] for _ in range(J)]
-        tlps = [[] for _ in range(J)]
-        chain = torch.zeros(B * T, dtype=torch.bool)
+        mask = torch.zeros(B, T, dtype=torch.bool)
+        top_ids = torch.zeros(B, T, k, dtype=torch.int64)
+        top_lp = torch.zeros(B, T, k, dtype=torch.float32)
         for b, (s, n) in enumerate(zip(good, L)):
-            ids = s["input_ids"][:n].long()
-            input_ids[b, :n] = ids
+            input_ids[b, :n] = s["input_ids"][:n]
             aux[b, :n] = s["aux_hidden_states"][:n].reshape(n, -1)
-            mask = s["loss_mask"][:n].bool()
-            top_ids = s["topk_ids"][:n].long()
-            top_lp = s["topk_logprobs"][:n]
-            in_vocab = self.t2d_index[top_ids[:, 0]] >= 0  # [n] target argmax at p is proposable
-            for j in range(J):
-                R = n - 2 - j  # rows 0..R-1 have a label x[r+2+j]
-                if R <= 0:
-                    continue
-                r = torch.arange(R)
-                label = mask[r + 2 + j]
+            mask[b, :n] = s["loss_mask"][:n].bool()
+            top_ids[b, :n] = s["topk_ids"][:n]
+            top_lp[b, :n] = s["topk_logprobs"][:n]
+        # the target's argmax at p is proposable (False in padding)
+        in_vocab = (self.t2d_index[top_ids[:, :, 0]] >= 0) & (torch.arange(T)[None] < torch.tensor(L)[:, None])
+        keep, full = [], []
+        chain = torch.zeros(B, T, dtype=torch.bool)
+        for j in range(J):
+            kj = torch.zeros(B, T, dtype=torch.bool)
+            R = T - 2 - j  # rows 0..R-1 may have a label x[r+2+j] (padding has mask 0)
+            if R > 0:
+                label = mask[:, 2 + j : 2 + j + R]
                 if j == 0:
-                    chain[b * T + r[label]] = True
-                keep = label & in_vocab[r + 1 + j]
-                r = r[keep]
-                rows[j].append(b * T + r)
-                tids[j].append(top_ids[r + 1 + j])
-                tlps[j].append(top_lp[r + 1 + j])
-        k = good[0]["topk_ids"].shape[1] if good else 1
-        cat = lambda xs, empty: torch.cat(xs) if xs else empty  # noqa: E731
-        full = [cat(rows[j], torch.zeros(0, dtype=torch.int64)) for j in range(J)]
+                    chain[:, :R] = label
+                kj[:, :R] = label & in_vocab[:, 1 + j : 1 + j + R]
+            keep.append(kj)
+            full.append(kj.flatten().nonzero().flatten())  # b*T + r, sample-major
         # chain rows: per sample, the rows with loss at some step >= 1, in a compact layout
-        later = torch.cat(full[1:]) if J > 1 else torch.zeros(0, dtype=torch.int64)
-        per_sample = [torch.unique(later[(later >= b * T) & (later < (b + 1) * T)]) - b * T for b in range(B)]
-        Tp = max((x.numel() for x in per_sample), default=0)
+        active = torch.stack(keep[1:]).any(0) if J > 1 else torch.zeros(B, T, dtype=torch.bool)
+        slot = active.long().cumsum(1) - 1  # [B, T] compact slot of each active row
+        Tp = int(active.sum(1).max()) if B else 0
         Tp = -(-Tp // self.pad_multiple) * self.pad_multiple
         chain_rows = torch.zeros(B, Tp, dtype=torch.int64)
-        for b, x in enumerate(per_sample):
-            chain_rows[b, : x.numel()] = x
+        bb, rr = active.nonzero(as_tuple=True)
+        chain_rows[bb, slot[bb, rr]] = rr
         out_rows, out_ids, out_q = [], [], []
+        flat_ids, flat_lp = top_ids.reshape(B * T, k), top_lp.reshape(B * T, k)
         for j in range(J):
             rj = full[j]
-            if j > 0 and rj.numel():  # full flat index -> compact flat index
-                b, r = rj // T, rj % T
-                slot = torch.cat([torch.searchsorted(per_sample[i], r[b == i]) for i in range(B)])
-                rj = b * Tp + slot
-            d, q = target_distribution(cat(tids[j], torch.zeros(0, k, dtype=torch.int64)),
-                                       cat(tlps[j], torch.zeros(0, k)), self.t2d_index)
-            out_rows.append(rj)
+            b, r = rj // T, rj % T
+            p = rj + 1 + j  # the target's distribution at position r+1+j of the same sample
+            d, q = target_distribution(flat_ids[p], flat_lp[p], self.t2d_index)
+            out_rows.append(rj if j == 0 else b * Tp + slot[b, r])
             out_ids.append(d)
             out_q.append(q)
         return {
@@ -244,7 +241,7 @@ class TTTCollator:
             "rows_full": full,
             "target_ids": out_ids,
             "target_q": out_q,
-            "chain_starts": chain,
+            "chain_starts": chain.flatten(),
             "num_tokens": sum(L),
             "num_chains": int(chain.sum()),
             "skipped_nonfinite": skipped,
