@@ -9,10 +9,10 @@ backward, AdamW) on synthetic features for two drafters:
   FFN 18432, target vocabulary 163840, draft vocabulary 32000).
 
 Model FLOPs per step (the useful work, counted analytically; backward = 2 x forward):
-``fc`` once, then for every TTT step the decoder layer on every row (q/k/v from 2H,
-o, SwiGLU MLP), attention over the causal prefix (step 0 keys) plus the step's own
-chain (``4 * heads * head_dim`` per query-key pair), and ``lm_head`` + softmax on the
-rows that carry loss. MFU = model FLOPs / time / peak (``--peak-tflops``; H200 dense
+``fc`` once, the decoder layer (q/k/v from 2H, o, SwiGLU MLP) on every real token at
+step 0 and on the chain rows (rows with loss at a later step) at steps >= 1, attention
+over the causal prefix plus the step's own chain (``4 * heads * head_dim`` per
+query-key pair), and ``lm_head`` + softmax on the rows that carry loss. MFU = model FLOPs / time / peak (``--peak-tflops``; H200 dense
 bf16 ~989). The FLOPs torch actually executed (``torch.utils.flop_counter``; the
 masked attention computes every step's full key range) are printed next to it.
 
@@ -69,17 +69,19 @@ def synthetic_batch(arch: DrafterArch, batch: int, seq_len: int, ttt_steps: int,
 def model_flops(arch: DrafterArch, batch: dict, ttt_steps: int) -> float:
     """Useful forward+backward FLOPs of one training step on ``batch`` (see module doc)."""
     B, T = batch["input_ids"].shape
-    N = B * T
     H, Ht, nh, nkv, hd, inter = (arch.hidden_size, arch.target_hidden_size, arch.num_attention_heads,
                                  arch.num_key_value_heads, arch.head_dim, arch.intermediate_size)
-    fwd = 2 * N * 3 * Ht * H  # fc
-    layer = 2 * N * (2 * H * (nh + 2 * nkv) * hd + nh * hd * H + 3 * H * inter)
     real = batch["lengths"].double()
+    n0 = float(real.sum())  # step 0: every real token
+    fwd = 2 * n0 * 3 * Ht * H  # fc
+    per_row = 2 * (2 * H * (nh + 2 * nkv) * hd + nh * hd * H + 3 * H * inter)  # q/k/v, o, MLP
+    later = batch["rows_full"][1:]
+    chain = torch.unique(torch.cat(later)) % T if later and sum(x.numel() for x in later) else torch.zeros(0)
     for j in range(ttt_steps):
-        fwd += layer
-        # causal prefix pairs + the j chain keys of every query, per sample
-        pairs = float((real * (real + 1) / 2 + j * real).sum())
-        fwd += 4 * nh * hd * pairs
+        if j == 0:  # every row, causal prefix pairs
+            fwd += n0 * per_row + 4 * nh * hd * float((real * (real + 1) / 2).sum())
+        else:  # chain rows only: prefix r+1 keys plus j chain keys each
+            fwd += chain.numel() * per_row + 4 * nh * hd * float((chain + 1 + j).sum())
         rows = batch["rows"][j].numel()
         fwd += 2 * rows * H * arch.draft_vocab_size + 5 * rows * arch.draft_vocab_size  # lm_head + softmax/KL
     return 3.0 * fwd
