@@ -546,7 +546,7 @@ def run_evaluate(cfg) -> dict:
         raise Eagle3Error(f"engine '{engine}' cannot evaluate; use engine=hf or engine=sglang")
 
     from eagle3.chat import chat_template_hash, end_of_turn_ids, render_prompt
-    from eagle3.engines.hf import resolve_device
+    from eagle3.devices import resolve_device
     from eagle3.export import load_sglang_export
     from eagle3.models import load_target
 

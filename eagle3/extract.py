@@ -106,7 +106,8 @@ def _generation_width(engine_cfg) -> int:
         v = getattr(engine_cfg, key, None)
         if v:
             return 4 * int(v)
-    from eagle3.engines.hf import DEFAULT_BATCH, resolve_device
+    from eagle3.devices import resolve_device
+    from eagle3.engines.hf import DEFAULT_BATCH
 
     dev = resolve_device(getattr(engine_cfg, "device", "auto")).type
     return 4 * DEFAULT_BATCH["cuda" if dev == "cuda" else "cpu"]["generate_batch_size"]

@@ -38,6 +38,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from eagle3.devices import resolve_device
 from eagle3.drafter import DrafterArch, Eagle3Drafter
 from eagle3.errors import Eagle3Error
 from eagle3.features import FeatureDataset, sha256_file, write_json_atomic
@@ -92,20 +93,6 @@ def features_dirs(cfg) -> list[Path]:
 
 
 # ------------------------------------------------------------------ decisions
-def resolve_device(name: str) -> torch.device:
-    """``auto`` = CUDA when available, else CPU.
-
-    Raises:
-        Eagle3Error: CUDA requested but not available.
-    """
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise Eagle3Error(f"device={name} but no CUDA device is visible; use device=cpu or device=auto")
-    return dev
-
-
 def resolve_mixed_precision(setting: str, device: torch.device) -> str:
     """Accelerate's ``mixed_precision`` for this device.
 
@@ -409,7 +396,7 @@ def train_drafter(
     if h_feat != target.hidden_size:
         raise Eagle3Error(f"features hold aux states of width {h_feat}, the target's hidden size is {target.hidden_size}")
 
-    device = resolve_device(cfg.device)
+    device = resolve_device(cfg.device, setting="device")
     mp = resolve_mixed_precision(lcfg.mixed_precision, device)
     max_tokens = int(lcfg.max_tokens_per_batch or (8192 if device.type == "cuda" else 2048))
     use_tb = lcfg.tracker == "tensorboard"

@@ -29,6 +29,7 @@ from eagle3.chat import end_of_turn_ids
 from eagle3.engines.base import Engine
 from eagle3.errors import Eagle3Error
 from eagle3.features import Capture
+from eagle3.devices import resolve_device
 from eagle3.models import TargetInfo, load_target
 
 log = logging.getLogger("eagle3")
@@ -42,20 +43,6 @@ DEFAULT_BATCH = {
     "cpu": {"generate_batch_size": 16, "capture_batch_size": 16, "max_batch_tokens": 8192},
     "cuda": {"generate_batch_size": 256, "capture_batch_size": 64, "max_batch_tokens": 65536},
 }
-
-
-def resolve_device(device: str) -> torch.device:
-    """``auto`` -> ``cuda`` when available, else ``cpu``; others as given.
-
-    Raises:
-        Eagle3Error: a cuda device was asked for on a machine without one.
-    """
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise Eagle3Error(f"engine.device={device} but no CUDA device is available; use engine.device=cpu")
-    return dev
 
 
 def _batches(lengths: list[int], max_items: int, max_tokens: int, extra: int = 0) -> list[list[int]]:

@@ -1,0 +1,25 @@
+"""Device selection shared by the stages."""
+
+from __future__ import annotations
+
+import torch
+
+from eagle3.errors import Eagle3Error
+
+
+def resolve_device(name: str, setting: str = "engine.device") -> torch.device:
+    """``auto`` -> ``cuda`` when available, else ``cpu``; other names as given.
+
+    Args:
+        name: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
+        setting: the config key the value came from, named in the error.
+
+    Raises:
+        Eagle3Error: a CUDA device was asked for on a machine without one.
+    """
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise Eagle3Error(f"{setting}={name} but no CUDA device is visible; use {setting}=cpu or {setting}=auto")
+    return dev
