@@ -366,7 +366,7 @@ def run_extract(cfg) -> dict:
         side_path = out_dir / STATS_FILE
         side = _read_side(side_path) if len(pending) < len(chunks) else {}
         t_run = time.time()
-        bar = tqdm(total=sum(len(c) for _, c in pending), desc="extract", unit="sample", disable=None, file=sys.stderr)
+        bar = tqdm(total=sum(len(c) for _, c in pending), desc="extract", unit="sample", file=sys.stderr, mininterval=5.0)
         for w, shard_indices in sorted(windows.items()):
             window_shards = list(range(w * width, min((w + 1) * width, len(chunks))))
             convs = [(sid, messages_by_id[sid]) for s in window_shards for sid, _ in chunks[s]]
