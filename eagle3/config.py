@@ -183,6 +183,19 @@ class CaptureConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """Data-parallel extraction with the in-process ``hf`` engine: ``workers`` processes,
+    one target replica each (``devices[i]``, default ``cuda:i``, or ``cpu`` for all on a
+    CPU), each extracting every ``workers``-th generation window; the orchestrator
+    merges their shards into one manifest. ``worker`` is set by the orchestrator.
+    (SGLang: list several servers in ``engine.urls`` instead; one process feeds them.)"""
+
+    workers: int = 1
+    worker: Optional[int] = None
+    devices: list[str] = field(default_factory=list)
+
+
+@dataclass
 class ExtractConfig:
     defaults: list[Any] = field(
         default_factory=lambda: [
@@ -197,6 +210,7 @@ class ExtractConfig:
     data: DataConfig = MISSING
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     capture: CaptureConfig = field(default_factory=CaptureConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     output_dir: Optional[str] = None  # default data/features/<model>/<data>
     cache_dir: str = "data/models"
     seed: int = 0

@@ -15,11 +15,15 @@ def resolve_device(name: str, setting: str = "engine.device") -> torch.device:
         setting: the config key the value came from, named in the error.
 
     Raises:
-        Eagle3Error: a CUDA device was asked for on a machine without one.
+        Eagle3Error: an unknown device name, or a CUDA device asked for on a machine
+            without one.
     """
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise Eagle3Error(f"{setting}={name!r} is not a device; use auto, cpu, cuda or cuda:N") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise Eagle3Error(f"{setting}={name} but no CUDA device is visible; use {setting}=cpu or {setting}=auto")
     return dev

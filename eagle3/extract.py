@@ -303,7 +303,14 @@ def run_extract(cfg) -> dict:
 
     t_start = time.time()
     _check_settings(cfg)
+    par = getattr(cfg, "parallel", None)
+    workers = int(par.workers) if par is not None else 1
+    worker = par.worker if par is not None else None
+    if workers > 1 and worker is None:
+        return run_parallel(cfg)
+    part = (int(worker), workers) if workers > 1 else None
     out_dir = Path(cfg.output_dir) if cfg.output_dir else default_output_dir(cfg)
+    manifest_name = features.MANIFEST if part is None else features.part_manifest_name(*part)
     cache_dir = Path(cfg.cache_dir)
     max_length, top_k = int(cfg.capture.max_length), int(cfg.capture.top_k)
 
@@ -335,8 +342,8 @@ def run_extract(cfg) -> dict:
             )
         per_shard = features.samples_per_shard(cfg.capture.shard_size_mb, target.hidden_size, top_k, sum(est) / len(est))
         done_ids: set[str] = set()
-        if (out_dir / features.MANIFEST).exists():
-            old = features.load_manifest(out_dir, require_complete=False)
+        if (out_dir / manifest_name).exists():
+            old = features.load_manifest(out_dir, require_complete=False, name=manifest_name)
             per_shard = int(old.get("samples_per_shard", per_shard))
             for sh in old.get("shards", []):
                 done_ids.update(p[0] for p in old["plan"][sh["index"] * per_shard:(sh["index"] + 1) * per_shard])
@@ -354,19 +361,23 @@ def run_extract(cfg) -> dict:
         if engine is None:
             engine = build_engine(cfg.model, cfg.engine, cache_dir, out_dir)
         metadata = _metadata(cfg, target, engine, tokenizer)
-        writer = features.FeatureWriter.open(out_dir, metadata, plan, per_shard, splits=splits)
-        pending = writer.pending()
+        writer = features.FeatureWriter.open(out_dir, metadata, plan, per_shard, splits=splits, part=part)
         width = max(1, math.ceil(_generation_width(cfg.engine) / per_shard))  # shards per window
+        # a worker of a data-parallel run takes every workers-th generation window (whole windows,
+        # so each is generated with the same batch and seed as in a one-process run)
+        pending = [(i, c) for i, c in writer.pending() if part is None or (i // width) % workers == part[0]]
         windows: dict[int, list[int]] = {}
         for index, _ in pending:
             windows.setdefault(index // width, []).append(index)
         n_shard = int(writer.manifest["samples_per_shard"])
         chunks = [plan[i : i + n_shard] for i in range(0, len(plan), n_shard)]
+        mine = [i for i in range(len(chunks)) if part is None or (i // width) % workers == part[0]]
         run_stats = {"samples": 0, "tokens": 0, "masked_tokens": 0, "generated_tokens": 0, "truncated": 0, "dropped": 0}
-        side_path = out_dir / STATS_FILE
+        side_path = out_dir / (STATS_FILE if part is None else stats_part_name(*part))
         side = _read_side(side_path) if len(pending) < len(chunks) else {}
         t_run = time.time()
-        bar = tqdm(total=sum(len(c) for _, c in pending), desc="extract", unit="sample", file=sys.stderr, mininterval=5.0)
+        bar = tqdm(total=sum(len(c) for _, c in pending), desc="extract" if part is None else f"extract[{part[0]}]",
+                   unit="sample", file=sys.stderr, mininterval=5.0, position=part[0] if part else None)
         for w, shard_indices in sorted(windows.items()):
             window_shards = list(range(w * width, min((w + 1) * width, len(chunks))))
             convs = [(sid, messages_by_id[sid]) for s in window_shards for sid, _ in chunks[s]]
@@ -419,8 +430,31 @@ def run_extract(cfg) -> dict:
         if engine is not None:
             engine.close()
 
-    # 6. summary (counts over the whole folder; timing of this run)
-    manifest = writer.manifest
+    this_run = {
+        **run_stats,
+        "wall_time_s": wall,
+        "total_time_s": time.time() - t_start,
+        "tokens_per_s": run_stats["tokens"] / wall if wall > 0 else 0.0,
+        "resumed_shards": len(mine) - len(pending),
+    }
+    if part is not None:  # a worker: its counts go to the orchestrator, which merges and summarises
+        side["_run"] = {"this_run": this_run, "data_stats": data_stats}
+        features.write_json_atomic(side_path, side)
+        return this_run
+    summary = _summary(cfg, target, writer.manifest, side, len(plan), data_stats, this_run, out_dir)
+    writer.finalize(summary)
+    print(format_summary(summary))
+    return summary
+
+
+def stats_part_name(worker: int, workers: int) -> str:
+    """Per-shard counts of one data-parallel worker (merged into ``extract_stats.json``)."""
+    return f"extract_stats.part-{worker}-of-{workers}.json"
+
+
+def _summary(cfg, target, manifest: dict, side: dict, prompts: int, data_stats: dict, this_run: dict,
+             out_dir: Path) -> dict:
+    """Counts over the whole folder (from the manifest and per-shard side counts), timing of this run."""
     shards = manifest["shards"]
     tokens = sum(s["tokens"] for s in shards)
     nbytes = sum(s["bytes"] for s in shards)
@@ -428,11 +462,11 @@ def run_extract(cfg) -> dict:
     for s in shards:
         for reason in s["dropped"].values():
             dropped_reasons[reason] = dropped_reasons.get(reason, 0) + 1
-    summary = {
+    return {
         "output_dir": str(out_dir),
         "target": target.name,
         "data": cfg.data.name,
-        "prompts": len(plan),
+        "prompts": prompts,
         "samples": sum(len(s["samples"]) for s in shards),
         "tokens": tokens,
         "masked_tokens": sum(s["masked_tokens"] for s in shards),
@@ -443,14 +477,112 @@ def run_extract(cfg) -> dict:
         "bytes": nbytes,
         "bytes_per_token": nbytes / tokens if tokens else 0.0,
         "data_stats": data_stats,
-        "this_run": {
-            **run_stats,
-            "wall_time_s": wall,
-            "total_time_s": time.time() - t_start,
-            "tokens_per_s": run_stats["tokens"] / wall if wall > 0 else 0.0,
-            "resumed_shards": len(chunks) - len(pending),
-        },
+        "this_run": this_run,
     }
+
+
+def _worker_main(cfg) -> None:
+    """Entry of one data-parallel extraction worker (a spawned process)."""
+    logging.basicConfig(level=logging.INFO, format=f"[%(asctime)s][worker {cfg.parallel.worker}] %(message)s")
+    try:
+        run_extract(cfg)
+    except Eagle3Error as e:
+        print(f"error (extraction worker {cfg.parallel.worker}): {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def worker_devices(cfg) -> list[str]:
+    """One device per worker: ``parallel.devices``, else ``cuda:0..N-1`` (or ``cpu`` for all).
+
+    Raises:
+        Eagle3Error: another engine than ``hf``, a device list of the wrong length, or
+            fewer GPUs than workers.
+    """
+    import torch
+
+    n = int(cfg.parallel.workers)
+    if getattr(cfg.engine, "name", None) != "hf":
+        raise Eagle3Error(
+            f"parallel.workers={n} runs target replicas of the in-process hf engine; with engine="
+            f"{getattr(cfg.engine, 'name', None)} list several servers in engine.urls and keep parallel.workers=1"
+        )
+    if cfg.parallel.devices:
+        if len(cfg.parallel.devices) != n:
+            raise Eagle3Error(f"parallel.devices lists {len(cfg.parallel.devices)} devices for parallel.workers={n}; "
+                              "give one device per worker")
+        return [str(d) for d in cfg.parallel.devices]
+    dev = str(cfg.engine.device)
+    if dev == "cpu" or (dev == "auto" and not torch.cuda.is_available()):
+        return ["cpu"] * n
+    have = torch.cuda.device_count()
+    if have < n:
+        raise Eagle3Error(f"parallel.workers={n} needs {n} GPUs (one target replica each) but {have} are visible; "
+                          f"lower parallel.workers or set parallel.devices=[...] (a GPU may be listed twice)")
+    return [f"cuda:{i}" for i in range(n)]
+
+
+def run_parallel(cfg) -> dict:
+    """Data-parallel extraction: ``parallel.workers`` spawned workers, then one merged manifest.
+
+    Worker ``w`` extracts generation windows ``w, w+N, ...`` on its own device into the
+    shared output folder (shard files by global index, its own part manifest); when all
+    have finished, :meth:`eagle3.features.FeatureWriter.merge_parts` writes one
+    ``manifest.json`` listing every planned sample exactly once. Running the same command
+    again after an interruption resumes every worker.
+
+    Raises:
+        Eagle3Error: bad parallel settings, a failed worker (its finished shards are kept),
+            or an inconsistent merge.
+    """
+    import copy
+    import multiprocessing as mp
+
+    from eagle3 import features
+    from eagle3.models import resolve_target
+
+    n = int(cfg.parallel.workers)
+    devices = worker_devices(cfg)
+    out_dir = Path(cfg.output_dir) if cfg.output_dir else default_output_dir(cfg)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in out_dir.glob("*.tmp"):  # no worker is running yet
+        stale.unlink()
+    resolve_target(cfg.model, Path(cfg.cache_dir))  # build the target (e.g. the INT4 checkpoint) once, not N times
+    ctx = mp.get_context("spawn")
+    procs = []
+    t0 = time.time()
+    log.info("extract: %d workers on %s", n, ", ".join(devices))
+    for w, dev in enumerate(devices):
+        wcfg = copy.deepcopy(cfg)
+        wcfg.parallel.worker = w
+        wcfg.engine.device = dev
+        wcfg.output_dir = str(out_dir)
+        p = ctx.Process(target=_worker_main, args=(wcfg,), name=f"extract-worker-{w}")
+        p.start()
+        procs.append(p)
+    for p in procs:
+        p.join()
+    failed = [(w, p.exitcode) for w, p in enumerate(procs) if p.exitcode != 0]
+    if failed:
+        raise Eagle3Error(
+            "extraction worker(s) " + ", ".join(f"{w} (exit code {c})" for w, c in failed)
+            + " failed (see their messages above); the shards they finished are kept: run the same command again to resume"
+        )
+    writer = features.FeatureWriter.merge_parts(out_dir, n)
+    side: dict = {}
+    runs = []
+    for w in range(n):
+        part_side = _read_side(out_dir / stats_part_name(w, n))
+        runs.append(part_side.pop("_run", {}))
+        side.update(part_side)
+    features.write_json_atomic(out_dir / STATS_FILE, side)
+    wall = time.time() - t0
+    keys = ("samples", "tokens", "masked_tokens", "generated_tokens", "truncated", "dropped", "resumed_shards")
+    this_run = {k: sum(r.get("this_run", {}).get(k, 0) for r in runs) for k in keys}
+    this_run.update(wall_time_s=wall, total_time_s=wall, workers=n, devices=devices,
+                    tokens_per_s=this_run["tokens"] / wall if wall > 0 else 0.0)
+    target = resolve_target(cfg.model, Path(cfg.cache_dir))
+    data_stats = next((r["data_stats"] for r in runs if r.get("data_stats")), {})
+    summary = _summary(cfg, target, writer.manifest, side, len(writer.manifest["plan"]), data_stats, this_run, out_dir)
     writer.finalize(summary)
     print(format_summary(summary))
     return summary

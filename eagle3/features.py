@@ -190,9 +190,10 @@ class FeatureWriter:
     :meth:`finalize`.
     """
 
-    def __init__(self, out_dir: Path, manifest: dict):
+    def __init__(self, out_dir: Path, manifest: dict, manifest_name: str = MANIFEST):
         self.out_dir = out_dir
         self.manifest = manifest
+        self.manifest_name = manifest_name
 
     # ------------------------------------------------------------------ opening
     @classmethod
@@ -203,6 +204,7 @@ class FeatureWriter:
         plan: Sequence[tuple[str, str]],
         samples_per_shard: int,
         splits: dict[str, list[str]] | None = None,
+        part: tuple[int, int] | None = None,
     ) -> "FeatureWriter":
         """Create ``out_dir`` or resume the extraction already in it.
 
@@ -215,6 +217,10 @@ class FeatureWriter:
                 value is kept so shards line up).
             splits: sample ids of every split (train/validation/test), recorded so later
                 stages can keep evaluation prompts out of training.
+            part: ``(worker, workers)`` for one worker of a data-parallel extraction:
+                its shards are listed in ``manifest.part-W-of-N.json`` (never the shared
+                ``manifest.json``, which :meth:`merge_parts` writes) and stale temporary
+                files are left to the orchestrator.
 
         Raises:
             Eagle3Error: the folder holds an extraction with other settings or another
@@ -222,16 +228,18 @@ class FeatureWriter:
         """
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        for stale in out_dir.glob("*.tmp"):
-            stale.unlink()
+        if part is None:
+            for stale in out_dir.glob("*.tmp"):
+                stale.unlink()
+        name = MANIFEST if part is None else part_manifest_name(*part)
         plan = [(str(i), str(s)) for i, s in plan]
         ids = [i for i, _ in plan]
         if len(set(ids)) != len(ids):
             raise Eagle3Error("the extraction plan lists a sample id twice; sample ids must be unique")
         metadata = _normalise(metadata)
-        path = out_dir / MANIFEST
+        path = out_dir / name
         if path.exists():
-            manifest = load_manifest(out_dir, require_complete=False)
+            manifest = load_manifest(out_dir, require_complete=False, name=name)
             diff = _first_difference(manifest["metadata"], metadata)
             if diff:
                 raise Eagle3Error(
@@ -244,7 +252,7 @@ class FeatureWriter:
                     f"({len(manifest['plan'])} planned, {len(plan)} now; did data.limit change?); "
                     "pass a new output_dir=, or delete that folder to start over"
                 )
-            writer = cls(out_dir, manifest)
+            writer = cls(out_dir, manifest, name)
             writer._drop_bad_shards()
             return writer
         manifest = {
@@ -257,7 +265,55 @@ class FeatureWriter:
             "splits": {k: list(v) for k, v in (splits or {}).items()},
             "shards": [],
         }
+        writer = cls(out_dir, manifest, name)
+        writer._save()
+        return writer
+
+    @classmethod
+    def merge_parts(cls, out_dir: str | os.PathLike, workers: int) -> "FeatureWriter":
+        """Join the part manifests of a ``workers``-way extraction into ``manifest.json``.
+
+        Every part must hold the same metadata, plan and shard size; every planned shard
+        must be listed by exactly one part and pass its sha256 check. The returned
+        writer lists all shards; call :meth:`finalize` on it.
+
+        Raises:
+            Eagle3Error: a part is missing or differs, a shard is listed twice or by no
+                part, or a shard file is missing or corrupt (run the extraction again:
+                the workers redo what is missing).
+        """
+        out_dir = Path(out_dir)
+        parts = []
+        for w in range(workers):
+            name = part_manifest_name(w, workers)
+            if not (out_dir / name).exists():
+                raise Eagle3Error(f"{out_dir / name} is missing: worker {w} of {workers} never started; run again")
+            parts.append(load_manifest(out_dir, require_complete=False, name=name))
+        first = parts[0]
+        for w, m in enumerate(parts[1:], 1):
+            for key in ("metadata", "plan", "samples_per_shard", "splits"):
+                if _normalise(m[key]) != _normalise(first[key]):
+                    raise Eagle3Error(f"worker {w} of {workers} extracted with other {key} than worker 0; "
+                                      "delete the folder and extract again")
+        owner: dict[int, int] = {}
+        shards = []
+        for w, m in enumerate(parts):
+            for sh in m["shards"]:
+                if sh["index"] in owner:
+                    raise Eagle3Error(f"shard {sh['index']} is listed by workers {owner[sh['index']]} and {w}")
+                owner[sh["index"]] = w
+                if sh["file"] is not None:
+                    f = out_dir / sh["file"]
+                    if not f.exists() or sha256_file(f) != sh["sha256"]:
+                        raise Eagle3Error(f"shard {sh['file']} of worker {w} is missing or fails its sha256 check; "
+                                          "run the extraction again to redo it")
+                shards.append(sh)
+        manifest = {k: v for k, v in first.items() if k not in ("shards", "complete", "counts", "summary")}
+        manifest.update(complete=False, shards=sorted(shards, key=lambda s: s["index"]))
         writer = cls(out_dir, manifest)
+        missing = [i for i, _ in writer.pending()]
+        if missing:
+            raise Eagle3Error(f"shards {missing[:8]} were extracted by no worker; run the extraction again")
         writer._save()
         return writer
 
@@ -380,12 +436,17 @@ class FeatureWriter:
         return self.manifest
 
     def _save(self) -> None:
-        write_json_atomic(self.out_dir / MANIFEST, self.manifest)
+        write_json_atomic(self.out_dir / self.manifest_name, self.manifest)
+
+
+def part_manifest_name(worker: int, workers: int) -> str:
+    """``manifest.part-W-of-N.json``: the shards extracted by one data-parallel worker."""
+    return f"manifest.part-{worker}-of-{workers}.json"
 
 
 # ---------------------------------------------------------------------- reading
-def load_manifest(features_dir: str | os.PathLike, require_complete: bool = True) -> dict:
-    """Read and check ``<features_dir>/manifest.json``.
+def load_manifest(features_dir: str | os.PathLike, require_complete: bool = True, name: str = MANIFEST) -> dict:
+    """Read and check ``<features_dir>/manifest.json`` (or the manifest file ``name``).
 
     Raises:
         Eagle3Error: the folder or manifest is missing, unreadable, of another format,
@@ -394,9 +455,9 @@ def load_manifest(features_dir: str | os.PathLike, require_complete: bool = True
     d = Path(features_dir)
     if not d.is_dir():
         raise Eagle3Error(f"features folder {d} does not exist; run extract.py first or pass features_dir=PATH")
-    path = d / MANIFEST
+    path = d / name
     if not path.exists():
-        raise Eagle3Error(f"{d} has no {MANIFEST}; it is not a features folder (run extract.py with output_dir={d})")
+        raise Eagle3Error(f"{d} has no {name}; it is not a features folder (run extract.py with output_dir={d})")
     try:
         manifest = json.loads(path.read_text())
     except json.JSONDecodeError as e:

@@ -50,7 +50,7 @@ log = logging.getLogger("eagle3")
 CHECKPOINTS = "checkpoints"
 KEEP_CHECKPOINTS = 2
 # Settings that may change between a run and its resume (everything else must match).
-RESUMABLE_KEYS = ("loop.log_every", "loop.save_every", "loop.eval_every", "loop.num_workers", "loop.tracker",
+RESUMABLE_KEYS = ("loop.grad_accum", "loop.log_every", "loop.save_every", "loop.eval_every", "loop.num_workers", "loop.tracker",
                   "export", "device", "cache_dir", "output_dir")
 
 
@@ -409,6 +409,9 @@ def train_drafter(
         project_dir=str(output_dir),
     )
     record = _run_record(cfg, train_ds.manifests, dirs)
+    # the optimizer step's global batch; grad_accum and the process count may change on resume as long as
+    # their product does not (2 processes x grad_accum 1 resume as 1 process x grad_accum 2)
+    record["micro_batches_per_step"] = lcfg.grad_accum * accelerator.num_processes
     if accelerator.is_main_process:
         _check_resume_record(output_dir, record)
     set_seed(cfg.seed)
@@ -459,13 +462,17 @@ def train_drafter(
     ga = lcfg.grad_accum
     world, rank = accelerator.num_processes, accelerator.process_index
 
-    def batches_of(epoch: int) -> list[list[int]]:
-        b = length_bucketed_batches(lengths, max_tokens, cfg.seed, epoch)
-        per_rank = len(b) // world
-        b = b[rank * per_rank : (rank + 1) * per_rank]
-        return b[: len(b) - len(b) % ga]  # whole accumulation groups only
+    per_step = ga * world  # micro-batches in one optimizer step, over all processes
 
-    steps_per_epoch = [len(batches_of(e)) // ga for e in range(max(1, lcfg.epochs))]
+    def batches_of(epoch: int) -> list[list[int]]:
+        """The epoch's global micro-batch list, cut to whole optimizer steps. Micro-batch
+        ``i`` goes to process ``i % world``, so step ``k`` trains on global micro-batches
+        ``k*per_step .. (k+1)*per_step - 1`` whatever the split between processes and
+        accumulation: N processes x grad_accum g equal one process x grad_accum N*g."""
+        b = length_bucketed_batches(lengths, max_tokens, cfg.seed, epoch)
+        return b[: len(b) - len(b) % per_step]
+
+    steps_per_epoch = [len(batches_of(e)) // per_step for e in range(max(1, lcfg.epochs))]
     if steps_per_epoch[0] == 0:
         raise Eagle3Error(
             f"{len(train_ds)} training samples make fewer than grad_accum x processes = {ga * world} batches; "
@@ -510,10 +517,18 @@ def train_drafter(
                 disable=not accelerator.is_local_main_process)
     model.train()
     interrupted = False
+    if state.batch_in_epoch % world:
+        raise Eagle3Error(
+            f"the checkpoint in {output_dir} stopped inside an optimizer step ({state.batch_in_epoch} micro-batches "
+            f"into epoch {state.epoch}), which {world} processes cannot split; resume with the process count it was "
+            "written with"
+        )
     while state.step < total_steps:
         epoch_batches = batches_of(state.epoch)
+        mine = epoch_batches[state.batch_in_epoch + rank :: world]
         t0 = time.perf_counter()
-        for batch in loader_for(train_ds, epoch_batches[state.batch_in_epoch :]):
+        for batch in loader_for(train_ds, mine):
+            g0 = state.batch_in_epoch  # first global micro-batch of this round (one per process)
             state.skipped_nonfinite += batch["skipped_nonfinite"]
             if on_batch is not None:
                 on_batch(state.step, list(batch["sample_ids"]))
@@ -527,10 +542,12 @@ def train_drafter(
                     accelerator.clip_grad_norm_(params, ocfg.grad_clip)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            state.batch_in_epoch += 1
-            state.tokens += batch["num_tokens"]
-            acc_tokens += batch["num_tokens"]
-            session_tokens += batch["num_tokens"]
+            # counters in global units, identical on every process (checkpoints hold the main process's)
+            round_tokens = sum(min(lengths[j], max_tokens) for b in epoch_batches[g0 : g0 + world] for j in b)
+            state.batch_in_epoch += world
+            state.tokens += round_tokens
+            acc_tokens += round_tokens
+            session_tokens += round_tokens
             if not accelerator.sync_gradients:
                 continue
             scheduler.step()
@@ -540,7 +557,7 @@ def train_drafter(
                 now = time.perf_counter()
                 s = accelerator.reduce(acc_stats, "sum")  # the one host sync per log interval
                 last_train = summarize(s, 0.0, 0, dcfg.step_weight)
-                tps = acc_tokens * world / max(now - t_log, 1e-9)
+                tps = acc_tokens / max(now - t_log, 1e-9)
                 logs = {"train/loss": last_train["loss"], "train/lr": scheduler.get_last_lr()[0],
                         "train/tokens_per_s": tps}
                 for j in range(J):
@@ -610,7 +627,9 @@ def train_drafter(
         "train_tokens": state.tokens,
         "train": last_train,
         "validation": last_val,
-        "tokens_per_s": session_tokens * world / train_time if train_time > 0 else None,
+        "tokens_per_s": session_tokens / train_time if train_time > 0 else None,
+        "num_processes": world,
+        "distributed_type": str(accelerator.distributed_type.value),
         "train_time_s": train_time,
         "wall_time_s": time.perf_counter() - t_start,
         "skipped_nonfinite": state.skipped_nonfinite,
@@ -623,8 +642,13 @@ def train_drafter(
         **_peak_memory(),
     }
     exports: dict[str, str] = {}
+    final = unwrapped.drafter
+    if accelerator.distributed_type.value == "FSDP":  # sharded parameters: gather a full copy (every process calls)
+        full = accelerator.get_state_dict(model)
+        if accelerator.is_main_process:
+            final = Eagle3Drafter(arch)
+            final.load_state_dict({k[len("drafter."):]: v for k, v in full.items() if k.startswith("drafter.")})
     if accelerator.is_main_process:
-        final = unwrapped.drafter
         if cfg.export.sglang:
             from eagle3.export import export_sglang
 

@@ -286,3 +286,45 @@ def test_regenerate_turn_by_turn_with_system_kept_and_turn_cap(tiny_tokenizer_di
     cut, st = regenerate(_EchoEngine(tok), tok, [("d", [{"role": "user", "content": "hi"}, {"role": "user", "content": "y " * 150}])],
                          SamplingConfig(max_new_tokens=8), 120, 0)
     assert st["cut"] == ["d"] and cut["d"][-1]["content"] == "reply 1"
+
+
+def test_data_parallel_workers_equal_one_process(tiny_target_dir, tmp_path):
+    """Two CPU workers (spawned processes) write one manifest equal to a one-process run's."""
+    data = _write_jsonl(tmp_path / "chats.jsonl", CHATS)
+    one = _cfg(tiny_target_dir, tmp_path, data, tmp_path / "one")
+    one.engine.generate_batch_size = 1
+    single = run_extract(one)
+    cfg = _cfg(tiny_target_dir, tmp_path, data, tmp_path / "two")
+    cfg.engine.generate_batch_size = 1  # windows of 4 conversations: shards 0 and 1 form window 0, shard 2 window 1
+    cfg.parallel.workers = 2
+    cfg.parallel.devices = ["cpu", "no-such-device"]  # worker 1 fails: its windows stay pending
+    with pytest.raises(Eagle3Error, match=r"worker\(s\) 1 \(exit code 2\) failed.*run the same command again"):
+        run_extract(cfg)
+    assert not (tmp_path / "two" / "manifest.json").exists()
+    part0 = json.loads((tmp_path / "two" / "manifest.part-0-of-2.json").read_text())
+    assert [s["index"] for s in part0["shards"]] == [0, 1]  # worker 0 took window 0, worker 1 window 1
+
+    cfg.parallel.devices = ["cpu", "cpu"]
+    merged = run_extract(cfg)
+    assert merged["this_run"]["resumed_shards"] == 2 and merged["this_run"]["workers"] == 2
+    m1, s1 = _shards(tmp_path / "one")
+    m2, s2 = _shards(tmp_path / "two")
+    assert [s["index"] for s in m2["shards"]] == [0, 1, 2]
+    ids = [x["id"] for s in m2["shards"] for x in s["samples"]] + [i for s in m2["shards"] for i in s["dropped"]]
+    assert sorted(ids) == sorted(i for i, _ in m2["plan"])  # every planned sample exactly once
+    a, b = _strip(m1), _strip(m2)
+    assert a == b
+    assert s1.keys() == s2.keys()
+    for f in s1:
+        for k in s1[f]:
+            assert torch.equal(s1[f][k], s2[f][k]), (f, k)
+    side1 = json.loads((tmp_path / "one" / "extract_stats.json").read_text())
+    side2 = json.loads((tmp_path / "two" / "extract_stats.json").read_text())
+    assert side1 == side2 and single["generated_tokens"] == merged["generated_tokens"]
+
+    # a corrupt shard of a worker is caught at merge time and redone by the next run
+    (tmp_path / "two" / m2["shards"][1]["file"]).write_bytes(b"garbage")
+    again = run_extract(cfg)
+    assert again["this_run"]["resumed_shards"] == 2
+    _, s3 = _shards(tmp_path / "two")
+    assert all(torch.equal(s1[f][k], s3[f][k]) for f in s1 for k in s1[f])

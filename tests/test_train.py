@@ -4,7 +4,6 @@ import json
 import os
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -13,75 +12,12 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 import eagle3  # noqa: F401
-from eagle3.config import DataConfig, ModelConfig, TrainConfig
+from eagle3.config import ModelConfig
 from eagle3.errors import Eagle3Error
-from eagle3.features import Capture, FeatureWriter, Record
 from eagle3.train import length_bucketed_batches, train_drafter
+from toy import H, V, embed, make_cfg, tiny_target, write_features
 
-H, V, K = 16, 64, 4
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def tiny_target(content_hash="sha256:tiny", **kw):
-    d = dict(name="tiny", source="x", path=None, architecture="llama", num_layers=8, hidden_size=H, vocab_size=V,
-             aux_layer_ids=[2, 4, 5], content_hash=content_hash, quantization={"method": "none"}, dtype="float32",
-             rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=512, num_attention_heads=2,
-             num_key_value_heads=1, head_dim=8, intermediate_size=32)
-    d.update(kw)
-    return types.SimpleNamespace(**d)
-
-
-def write_features(d, n=24, content_hash="sha256:tiny", nan_ids=(), seed=0, val_every=6, no_labels=False):
-    """A learnable toy: the target's next token is (3 * token + 1) mod V."""
-    g = torch.Generator().manual_seed(seed)
-    plan = [(f"s{i}", "validation" if i % val_every == val_every - 1 else "train") for i in range(n)]
-    meta = {"target": {"content_hash": content_hash, "hidden_size": H, "vocab_size": V, "architecture": "llama",
-                       "quantization": {"method": "none"}, "name": "tiny"},
-            "aux_layer_ids": [2, 4, 5], "chat_template_hash": "sha256:tmpl", "capture": {"top_k": K}}
-    w = FeatureWriter.open(d, meta, plan, samples_per_shard=8)
-    emb = torch.randn(V, H, generator=torch.Generator().manual_seed(99))
-    for idx, chunk in w.pending():
-        recs = []
-        for sid, split in chunk:
-            T = int(torch.randint(6, 20, (1,), generator=g))
-            ids = [int(torch.randint(0, V, (1,), generator=g))]
-            for _ in range(T - 1):
-                ids.append((3 * ids[-1] + 1) % V)
-            ids = torch.tensor(ids, dtype=torch.int32)
-            aux = emb[ids.long()][:, None, :].repeat(1, 3, 1) + 0.1 * torch.randn(T, 3, H, generator=g)
-            if sid in nan_ids:
-                aux[1, 0, 0] = float("nan")
-            top = torch.stack([(3 * ids.long() + 1 + k) % V for k in range(K)], 1).int()
-            lp = torch.log_softmax(torch.tensor([4.0, 1.0, 0.5, 0.0]), -1).expand(T, K).clone()
-            mask = torch.ones(T, dtype=torch.uint8)
-            mask[: T if no_labels else 2] = 0
-            recs.append(Record(sid, split, ids, mask, Capture(aux.bfloat16(), top, lp)))
-        w.write_shard(idx, recs)
-    return w.finalize()
-
-
-def make_cfg(features, out, **over):
-    cfg = OmegaConf.structured(TrainConfig)
-    cfg.model = OmegaConf.structured(ModelConfig(name="tiny", source="x"))
-    cfg.data = OmegaConf.structured(DataConfig(name="toy", source="x"))
-    cfg.features_dir = str(features)
-    cfg.output_dir = str(out)
-    cfg.device = "cpu"
-    cfg.drafter.ttt_steps = 3
-    cfg.drafter.draft_vocab_size = 48
-    cfg.loop.max_tokens_per_batch = 48
-    cfg.loop.log_every = 1
-    cfg.loop.tracker = "none"
-    cfg.loop.save_every = 1000
-    cfg.optim.lr = 3e-3
-    cfg.export.speculators = False
-    for k, v in over.items():
-        OmegaConf.update(cfg, k, v)
-    return OmegaConf.to_object(cfg)
-
-
-def embed():
-    return torch.randn(V, H, generator=torch.Generator().manual_seed(7))
 
 
 def test_batches_deterministic_and_within_budget():

@@ -1,0 +1,45 @@
+"""One process of a data-parallel toy training run (launched by tests/test_distributed.py).
+
+    accelerate launch --multi_gpu --num_processes 2 tests/dist_train_worker.py FEATURES OUT [STOP_AFTER] key=json ...
+
+(``--multi_gpu`` is Accelerate's torchrun launcher; on a machine without GPUs the
+processes run on the CPU with the gloo backend.) Trains the toy drafter of
+``toy.py`` on ``FEATURES`` into ``OUT`` with the given ``TrainConfig`` overrides
+(values are JSON), stopping with a checkpoint after ``STOP_AFTER`` optimizer steps
+when given, and appends ``[rank, step, sample ids]`` of every micro-batch to
+``OUT/order-<rank>.jsonl``.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from toy import embed, make_cfg, tiny_target  # noqa: E402
+
+from eagle3.train import train_drafter  # noqa: E402
+
+
+def main() -> None:
+    features, out, *pairs = sys.argv[1:]
+    stop_after = int(pairs.pop(0)) if pairs and "=" not in pairs[0] else None
+    over = {}
+    for p in pairs:
+        k, v = p.split("=", 1)
+        over[k] = json.loads(v)
+    import os
+
+    rank = int(os.environ.get("RANK", "0"))
+    log = Path(out) / f"order-{rank}.jsonl"
+    Path(out).mkdir(parents=True, exist_ok=True)
+
+    def on_batch(step, ids):
+        with open(log, "a") as f:
+            f.write(json.dumps([rank, step, ids]) + "\n")
+
+    train_drafter(make_cfg(features, out, **over), tiny_target(), embed(), on_batch=on_batch, stop_after=stop_after)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""Data-parallel training on CPU (gloo): N processes equal one process with the same global batch.
+
+Each case launches ``tests/dist_train_worker.py`` through ``accelerate launch`` (the
+command users run on GPUs) and compares checkpoints tensor by tensor.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from toy import write_features
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).resolve().parent / "dist_train_worker.py"
+COMMON = ["loop.max_steps=4", "loop.save_every=1000"]
+
+
+def launch(features: Path, out: Path, processes: int, grad_accum: int, stop_after=None) -> None:
+    args = [str(features), str(out)] + ([str(stop_after)] if stop_after else []) + COMMON + [f"loop.grad_accum={grad_accum}"]
+    if processes == 1:
+        cmd = [sys.executable, str(WORKER), *args]
+    else:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               "--main_process_port", str(29500 + os.getpid() % 1000), str(WORKER), *args]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+
+
+def order(out: Path) -> list:
+    """``[(step, sorted sample ids of the step)]`` over all processes."""
+    steps: dict[int, list] = {}
+    for f in sorted(out.glob("order-*.jsonl")):
+        for line in f.read_text().splitlines():
+            _, step, ids = json.loads(line)
+            steps.setdefault(step, []).extend(ids)
+    return [(s, sorted(ids)) for s, ids in sorted(steps.items())]
+
+
+def assert_same_checkpoint(a: Path, b: Path) -> None:
+    wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-6, msg=k)
+    oa = torch.load(a / "optimizer.bin", weights_only=False)
+    ob = torch.load(b / "optimizer.bin", weights_only=False)
+    for i in oa["state"]:
+        for k in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(oa["state"][i][k], ob["state"][i][k], rtol=1e-5, atol=1e-8)
+    sa = torch.load(a / "custom_checkpoint_0.pkl", weights_only=False)
+    sb = torch.load(b / "custom_checkpoint_0.pkl", weights_only=False)
+    assert sa["_last_lr"] == sb["_last_lr"]
+    ta = torch.load(a / "custom_checkpoint_1.pkl", weights_only=False)
+    tb = torch.load(b / "custom_checkpoint_1.pkl", weights_only=False)
+    assert ta == tb  # TrainState: epoch, micro-batch, step, tokens in global units
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ddp")
+    write_features(root / "f", n=40)
+    launch(root / "f", root / "one", processes=1, grad_accum=2)
+    launch(root / "f", root / "two", processes=2, grad_accum=1)
+    return root
+
+
+def test_two_processes_equal_one_process_with_the_same_global_batch(runs):
+    one, two = runs / "one", runs / "two"
+    assert len(list(two.glob("order-*.jsonl"))) == 2  # really two processes
+    assert order(one) == order(two) and len(order(one)) == 4
+    assert_same_checkpoint(one / "checkpoints" / "step-00000004", two / "checkpoints" / "step-00000004")
+    m1, m2 = (json.loads((d / "metrics.json").read_text()) for d in (one, two))
+    assert (m1["num_processes"], m2["num_processes"]) == (1, 2)
+    assert m2["distributed_type"] == "MULTI_CPU"
+    assert m1["train_tokens"] == m2["train_tokens"]
+    assert m1["train"]["loss"] == pytest.approx(m2["train"]["loss"], rel=1e-5)
+    assert m1["validation"]["loss"] == pytest.approx(m2["validation"]["loss"], rel=1e-5)
+    assert m1["validation"]["step_acc"] == pytest.approx(m2["validation"]["step_acc"], abs=1e-6)
+
+
+def test_checkpoint_of_two_processes_resumes_in_one(runs):
+    out = runs / "resumed"
+    launch(runs / "f", out, processes=2, grad_accum=1, stop_after=2)
+    assert (out / "checkpoints" / "step-00000002" / "COMPLETE").exists() and not (out / "export").exists()
+    launch(runs / "f", out, processes=1, grad_accum=2)
+    assert order(out) == order(runs / "one")  # no micro-batch repeated or skipped across the switch
+    assert_same_checkpoint(out / "checkpoints" / "step-00000004", runs / "one" / "checkpoints" / "step-00000004")
+
+
+def test_resume_with_another_global_batch_is_refused(runs):
+    out = runs / "refused"
+    launch(runs / "f", out, processes=2, grad_accum=1, stop_after=2)
+    with pytest.raises(AssertionError, match="micro_batches_per_step=2"):
+        launch(runs / "f", out, processes=1, grad_accum=1)
