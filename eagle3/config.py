@@ -333,6 +333,12 @@ class EvaluateConfig:
     max_prompt_tokens: int = 2048  # hf engine: longer rendered prompts are skipped (counted)
     warmup_prompts: int = 2
     concurrency: list[int] = field(default_factory=lambda: [1, 8, 32, 64, 128])  # sglang engine
+    # hf engine: prompts split over `workers` processes (prompt i to worker i % workers), each with
+    # its own target + drafter on devices[w] (default cuda:w; a GPU may be listed several times to
+    # share it: tau and lossless checks are unaffected, tokens/s then measure a shared device)
+    workers: int = 1
+    worker: Optional[int] = None  # set by the orchestrator
+    devices: list[str] = field(default_factory=list)
     drafter_dir: Optional[str] = None  # default data/drafters/<model>/sharegpt/export/sglang
     output_dir: Optional[str] = None  # default data/eval/<model>
     cache_dir: str = "data/models"

@@ -517,6 +517,8 @@ def run_evaluate(cfg) -> dict:
         cfg.temperature, cfg.top_p, cfg.max_new_tokens,
     )
     warnings = [note] if note else []
+    if getattr(cfg.engine, "name", "hf") == "hf" and int(cfg.workers) > 1 and cfg.worker is None:
+        return run_evaluate_parallel(cfg, settings)
     drafter_dir = default_drafter_dir(cfg)
     meta = read_export_meta(drafter_dir)
     names = benchmark_names(cfg.data)
@@ -574,6 +576,9 @@ def run_evaluate(cfg) -> dict:
     for x in warnings:
         log.warning(x)
     benchmarks = load_benchmarks(cfg, names, manifest)
+    if cfg.worker is not None:  # one worker of run_evaluate_parallel: every workers-th prompt
+        benchmarks = {n: ds.select(range(int(cfg.worker), len(ds), int(cfg.workers))) for n, ds in benchmarks.items()}
+        benchmarks = {n: ds for n, ds in benchmarks.items() if len(ds)}
     runner = TargetRunner(model, aux)
     decoder = SpeculativeDecoder(runner, Eagle3Proposer(drafter, aux), settings, end_of_turn_ids(tokenizer))
     if settings.max_new_tokens + settings.num_draft_tokens + cfg.max_prompt_tokens > (info.max_position_embeddings or 10**9):
@@ -627,5 +632,67 @@ def run_evaluate(cfg) -> dict:
         },
         "warnings": warnings,
     }
+    write_report(output_dir, results)
+    return results
+
+
+WORKERS_DIR = "workers"
+
+
+def run_evaluate_parallel(cfg, settings: SpecSettings) -> dict:
+    """``workers`` evaluation processes (hf engine), then one merged report.
+
+    Worker ``w`` evaluates prompts ``w, w+N, ...`` of every benchmark on ``devices[w]``
+    into ``output_dir/workers/W-of-N`` (a report of its own, and resumable partials);
+    the merged report recomputes every measure from all turn records, so tau,
+    acceptance rate, per-position acceptance and lossless matches equal a one-process
+    run's. Timings are summed per prompt as usual; when workers share a device they
+    measure that shared device (recorded in ``settings.workers`` and a warning).
+
+    Raises:
+        Eagle3Error: a worker failed (finished benchmarks are kept), bad device list.
+    """
+    import copy
+
+    from eagle3.workers import run_workers, worker_devices
+
+    n = int(cfg.workers)
+    devices = worker_devices(str(cfg.engine.device), list(cfg.devices), n, "devices")
+    output_dir = resolve_output_dir(cfg)
+    drafter_dir = default_drafter_dir(cfg)
+    cfgs = []
+    for w, dev in enumerate(devices):
+        c = copy.deepcopy(cfg)
+        c.worker, c.engine.device = w, dev
+        c.output_dir = str(output_dir / WORKERS_DIR / f"{w}-of-{n}")
+        c.drafter_dir = str(drafter_dir)
+        cfgs.append(c)
+    log.info("evaluate: %d workers on %s", n, ", ".join(devices))
+    run_workers("eagle3.evaluate.run_evaluate", cfgs, "evaluation")
+    reports = [json.loads((Path(c.output_dir) / "report.json").read_text()) for c in cfgs]
+    by_bench: dict[str, list[TurnRecord]] = {}
+    for c in cfgs:
+        for f in sorted((Path(c.output_dir) / PARTIAL_DIR).glob("*.json")):
+            d = json.loads(f.read_text())
+            by_bench.setdefault(f.stem, []).extend(TurnRecord(**r) for r in d["records"])
+    names = [b for b in benchmark_names(cfg.data) if b in by_bench]
+    records = [r for b in names for r in by_bench[b]]
+    with open(output_dir / SAMPLES_FILE, "w") as out:  # the workers' per-turn lines, concatenated
+        for c in cfgs:
+            p = Path(c.output_dir) / SAMPLES_FILE
+            if p.exists():
+                out.write(p.read_text())
+    results = copy.deepcopy(reports[0])
+    for k in ("plots", "verdicts", "verdict", "headline"):
+        results.pop(k, None)
+    results["benchmarks"] = {b: summarize_benchmark(by_bench[b], settings) for b in names}
+    results["overall"] = _overall(records, settings)
+    shared = len(set(devices)) < len(devices)
+    results["settings"].update(device=", ".join(devices), workers=n, resumed_benchmarks=[])
+    warnings = list(dict.fromkeys(w for r in reports for w in (r.get("warnings") or [])))
+    if shared:
+        warnings.append(f"{n} workers shared {', '.join(sorted(set(devices)))}: tokens/s and speed-up were measured on a "
+                        "shared device (acceptance and lossless checks are unaffected); use workers=1 for batch-1 timings")
+    results["warnings"] = warnings
     write_report(output_dir, results)
     return results

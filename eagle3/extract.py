@@ -481,46 +481,6 @@ def _summary(cfg, target, manifest: dict, side: dict, prompts: int, data_stats: 
     }
 
 
-def _worker_main(cfg) -> None:
-    """Entry of one data-parallel extraction worker (a spawned process)."""
-    logging.basicConfig(level=logging.INFO, format=f"[%(asctime)s][worker {cfg.parallel.worker}] %(message)s")
-    try:
-        run_extract(cfg)
-    except Eagle3Error as e:
-        print(f"error (extraction worker {cfg.parallel.worker}): {e}", file=sys.stderr)
-        sys.exit(2)
-
-
-def worker_devices(cfg) -> list[str]:
-    """One device per worker: ``parallel.devices``, else ``cuda:0..N-1`` (or ``cpu`` for all).
-
-    Raises:
-        Eagle3Error: another engine than ``hf``, a device list of the wrong length, or
-            fewer GPUs than workers.
-    """
-    import torch
-
-    n = int(cfg.parallel.workers)
-    if getattr(cfg.engine, "name", None) != "hf":
-        raise Eagle3Error(
-            f"parallel.workers={n} runs target replicas of the in-process hf engine; with engine="
-            f"{getattr(cfg.engine, 'name', None)} list several servers in engine.urls and keep parallel.workers=1"
-        )
-    if cfg.parallel.devices:
-        if len(cfg.parallel.devices) != n:
-            raise Eagle3Error(f"parallel.devices lists {len(cfg.parallel.devices)} devices for parallel.workers={n}; "
-                              "give one device per worker")
-        return [str(d) for d in cfg.parallel.devices]
-    dev = str(cfg.engine.device)
-    if dev == "cpu" or (dev == "auto" and not torch.cuda.is_available()):
-        return ["cpu"] * n
-    have = torch.cuda.device_count()
-    if have < n:
-        raise Eagle3Error(f"parallel.workers={n} needs {n} GPUs (one target replica each) but {have} are visible; "
-                          f"lower parallel.workers or set parallel.devices=[...] (a GPU may be listed twice)")
-    return [f"cuda:{i}" for i in range(n)]
-
-
 def run_parallel(cfg) -> dict:
     """Data-parallel extraction: ``parallel.workers`` spawned workers, then one merged manifest.
 
@@ -535,38 +495,33 @@ def run_parallel(cfg) -> dict:
             or an inconsistent merge.
     """
     import copy
-    import multiprocessing as mp
 
     from eagle3 import features
     from eagle3.models import resolve_target
+    from eagle3.workers import run_workers, worker_devices
 
     n = int(cfg.parallel.workers)
-    devices = worker_devices(cfg)
+    if getattr(cfg.engine, "name", None) != "hf":
+        raise Eagle3Error(
+            f"parallel.workers={n} runs target replicas of the in-process hf engine; with engine="
+            f"{getattr(cfg.engine, 'name', None)} list several servers in engine.urls and keep parallel.workers=1"
+        )
+    devices = worker_devices(str(cfg.engine.device), list(cfg.parallel.devices), n, "parallel.devices")
     out_dir = Path(cfg.output_dir) if cfg.output_dir else default_output_dir(cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in out_dir.glob("*.tmp"):  # no worker is running yet
         stale.unlink()
     resolve_target(cfg.model, Path(cfg.cache_dir))  # build the target (e.g. the INT4 checkpoint) once, not N times
-    ctx = mp.get_context("spawn")
-    procs = []
-    t0 = time.time()
     log.info("extract: %d workers on %s", n, ", ".join(devices))
+    cfgs = []
     for w, dev in enumerate(devices):
         wcfg = copy.deepcopy(cfg)
         wcfg.parallel.worker = w
         wcfg.engine.device = dev
         wcfg.output_dir = str(out_dir)
-        p = ctx.Process(target=_worker_main, args=(wcfg,), name=f"extract-worker-{w}")
-        p.start()
-        procs.append(p)
-    for p in procs:
-        p.join()
-    failed = [(w, p.exitcode) for w, p in enumerate(procs) if p.exitcode != 0]
-    if failed:
-        raise Eagle3Error(
-            "extraction worker(s) " + ", ".join(f"{w} (exit code {c})" for w, c in failed)
-            + " failed (see their messages above); the shards they finished are kept: run the same command again to resume"
-        )
+        cfgs.append(wcfg)
+    t0 = time.time()
+    run_workers("eagle3.extract.run_extract", cfgs, "extraction")
     writer = features.FeatureWriter.merge_parts(out_dir, n)
     side: dict = {}
     runs = []

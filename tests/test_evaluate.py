@@ -191,6 +191,18 @@ def test_real_smollm2_run_is_lossless(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "gsm8k" in out and "humaneval" in out and "tau" in out
 
+    # two worker processes (prompt i to worker i % 2) give the same measures as one process
+    cfg.workers, cfg.devices, cfg.output_dir = 2, ["cpu", "cpu"], str(tmp_path / "eval2")
+    par = run_evaluate(cfg)
+    for name in ("gsm8k", "humaneval"):
+        a, b = results["benchmarks"][name], par["benchmarks"][name]
+        for k in ("acceptance_length", "acceptance_rate", "verify_passes", "generated_tokens",
+                  "per_position_acceptance", "lossless_matches", "num_prompts"):
+            assert a[k] == b[k], (name, k)
+    assert par["settings"]["workers"] == 2 and any("shared cpu" in w for w in par["warnings"])
+    assert len((tmp_path / "eval2" / "samples.jsonl").read_text().splitlines()) == 4
+    assert (tmp_path / "eval2" / "workers" / "1-of-2" / "report.json").exists()
+
 
 def test_finished_benchmarks_are_resumed(tmp_path):
     from eagle3.evaluate import TurnRecord, load_partial, save_partial
