@@ -1,60 +1,82 @@
 #!/usr/bin/env bash
-# Full-size run on one H200: extract (5,000 ShareGPT prompts from the INT4 target),
-# train (experiment=h200), evaluate (3/1/4, T=0, 200 prompts per benchmark) and the two
-# throughput benchmarks. Logs and reports go to $RUN (default runs/h200).
+# Full-size run on one H200: extract (ShareGPT prompts answered by the INT4 target, several
+# target replicas sharing the GPU), train (experiment=h200), the training throughput
+# benchmark, evaluate (3/1/4, T=0; all prompts through parallel workers sharing the GPU for
+# tau and lossless checks, then a few prompts per benchmark alone on the GPU for batch-1
+# speed-up) and the extraction throughput benchmark. Logs and reports go to $RUN.
 #
 #   bash scripts/h200.sh                 # everything
-#   STAGES="evaluate" bash scripts/h200.sh
+#   STAGES="evaluate timing" bash scripts/h200.sh
 #
-# Sizes can be changed through the environment: PROMPTS, EVAL_PROMPTS, MAX_TURNS,
-# MAX_NEW_TOKENS, EPOCHS, EVAL_MAX_NEW_TOKENS.
+# Sizes come from the environment: PROMPTS, EXTRACT_WORKERS, MAX_TURNS, MAX_NEW_TOKENS, EPOCHS,
+# EVAL_PROMPTS, EVAL_WORKERS, EVAL_MAX_NEW_TOKENS, TIMING_PROMPTS, MTBENCH (path of MT-Bench's
+# question.jsonl, adds that benchmark).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN=${RUN:-runs/h200}
-PROMPTS=${PROMPTS:-5000}
-EVAL_PROMPTS=${EVAL_PROMPTS:-200}
+PROMPTS=${PROMPTS:-8000}
+EXTRACT_WORKERS=${EXTRACT_WORKERS:-4}
 MAX_TURNS=${MAX_TURNS:-1}
-MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-256}
-EPOCHS=${EPOCHS:-10}
+MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-128}
+EPOCHS=${EPOCHS:-6}
+EVAL_PROMPTS=${EVAL_PROMPTS:-200}
+EVAL_WORKERS=${EVAL_WORKERS:-12}
 EVAL_MAX_NEW_TOKENS=${EVAL_MAX_NEW_TOKENS:-128}
-STAGES=${STAGES:-"extract train evaluate bench"}
+TIMING_PROMPTS=${TIMING_PROMPTS:-10}
+STAGES=${STAGES:-"extract train bench_train evaluate timing bench_extract fsdp_check"}
 FEAT=$RUN/features
 DRAFTER=$RUN/drafter
 mkdir -p "$RUN"
 export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=10
 
 stamp() { echo "[$(date +%H:%M:%S)] $*"; }
+same_gpu() { python -c "import sys; print('[' + ','.join(['cuda:0'] * int(sys.argv[1])) + ']')" "$1"; }
+benches="gsm8k,humaneval,sharegpt${MTBENCH:+,mtbench}"
+mt=(); [ -n "${MTBENCH:-}" ] && mt=(data.mtbench_path="$MTBENCH")
 
 for stage in $STAGES; do
+  stamp "$stage"
   case $stage in
   extract)
-    stamp "extract: $PROMPTS prompts"
     python extract.py engine.device=cuda data.limit="$PROMPTS" capture.max_turns="$MAX_TURNS" \
-      sampling.max_new_tokens="$MAX_NEW_TOKENS" output_dir="$FEAT" 2>&1 | tee "$RUN/extract.log"
+      sampling.max_new_tokens="$MAX_NEW_TOKENS" output_dir="$FEAT" \
+      parallel.workers="$EXTRACT_WORKERS" parallel.devices="$(same_gpu "$EXTRACT_WORKERS")" 2>&1 | tee "$RUN/extract.log"
     ;;
   train)
-    stamp "train"
     python train.py experiment=h200 loop.epochs="$EPOCHS" features_dir="$FEAT" output_dir="$DRAFTER" \
       2>&1 | tee "$RUN/train.log"
     ;;
-  evaluate)
-    stamp "evaluate: $EVAL_PROMPTS prompts per benchmark, one process per benchmark"
-    pids=()
-    for b in gsm8k humaneval sharegpt ${MTBENCH:+mtbench}; do
-      extra=()
-      [ "$b" = mtbench ] && extra=(data.mtbench_path="$MTBENCH")
-      python evaluate.py engine.device=cuda data.names="[$b]" data.limit="$EVAL_PROMPTS" max_new_tokens="$EVAL_MAX_NEW_TOKENS" \
-        drafter_dir="$DRAFTER/export/sglang" output_dir="$RUN/eval/$b" "${extra[@]}" \
-        >"$RUN/evaluate-$b.log" 2>&1 &
-      pids+=($!)
-    done
-    for p in "${pids[@]}"; do wait "$p"; done
-    tail -n 25 "$RUN"/evaluate-*.log
+  bench_train)
+    python benchmarks/train_throughput.py --device cuda --iters 5 --json "$RUN/bench_train.json" 2>&1 | tee "$RUN/bench_train.log"
     ;;
-  bench)
-    stamp "benchmarks"
+  evaluate)
+    python evaluate.py engine.device=cuda data.names="[$benches]" data.limit="$EVAL_PROMPTS" \
+      max_new_tokens="$EVAL_MAX_NEW_TOKENS" drafter_dir="$DRAFTER/export/sglang" output_dir="$RUN/eval" \
+      workers="$EVAL_WORKERS" devices="$(same_gpu "$EVAL_WORKERS")" "${mt[@]}" 2>&1 | tee "$RUN/evaluate.log"
+    ;;
+  timing)
+    python evaluate.py engine.device=cuda data.names="[$benches]" data.limit="$TIMING_PROMPTS" \
+      max_new_tokens="$EVAL_MAX_NEW_TOKENS" drafter_dir="$DRAFTER/export/sglang" output_dir="$RUN/eval-timing" \
+      "${mt[@]}" 2>&1 | tee "$RUN/timing.log"
+    ;;
+  fsdp_check)  # the FSDP code path (1 process) trains the toy drafter like plain single-GPU training
+    rm -rf "$RUN/fsdp"; mkdir -p "$RUN/fsdp"
+    PYTHONPATH=tests:. python -c "from toy import write_features; write_features('$RUN/fsdp/f', n=40)"
+    python tests/dist_train_worker.py "$RUN/fsdp/f" "$RUN/fsdp/plain" loop.max_steps=4 'device="cuda"' loop.mixed_precision='"no"' >"$RUN/fsdp.log" 2>&1
+    accelerate launch --config_file conf/accelerate/fsdp.yaml --num_processes 1 tests/dist_train_worker.py \
+      "$RUN/fsdp/f" "$RUN/fsdp/fsdp" loop.max_steps=4 'device="cuda"' loop.mixed_precision='"no"' >>"$RUN/fsdp.log" 2>&1
+    python - "$RUN/fsdp" <<'PY' 2>&1 | tee -a "$RUN/fsdp.log"
+import json, sys, torch
+from safetensors.torch import load_file
+d = sys.argv[1]
+a, b = (load_file(f"{d}/{r}/export/sglang/model.safetensors") for r in ("plain", "fsdp"))
+diff = max((a[k].float() - b[k].float()).abs().max().item() for k in a if a[k].is_floating_point())
+m = json.load(open(f"{d}/fsdp/metrics.json"))
+print(f"fsdp_check: distributed_type={m['distributed_type']} same keys={a.keys() == b.keys()} max |diff| of exported weights={diff:.3g}")
+PY
+    ;;
+  bench_extract)
     python benchmarks/extract_throughput.py --device cuda --batch-size 64 --seq-len 1024 --iters 10 2>&1 | tee "$RUN/bench_extract.log"
-    python benchmarks/train_throughput.py --device cuda 2>&1 | tee "$RUN/bench_train.log"
     ;;
   esac
 done
