@@ -40,7 +40,7 @@ for stage in $STAGES; do
   extract)
     python extract.py engine.device=cuda data.limit="$PROMPTS" capture.max_turns="$MAX_TURNS" \
       sampling.max_new_tokens="$MAX_NEW_TOKENS" output_dir="$FEAT" \
-      parallel.workers="$EXTRACT_WORKERS" parallel.devices="$(same_gpu "$EXTRACT_WORKERS")" 2>&1 | tee "$RUN/extract.log"
+      engine.max_batch_tokens=32768 parallel.workers="$EXTRACT_WORKERS" parallel.devices="$(same_gpu "$EXTRACT_WORKERS")" 2>&1 | tee "$RUN/extract.log"
     ;;
   train)
     python train.py experiment=h200 loop.epochs="$EPOCHS" features_dir="$FEAT" output_dir="$DRAFTER" \
