@@ -33,6 +33,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -689,7 +690,15 @@ def run_evaluate_parallel(cfg, settings: SpecSettings) -> dict:
     results["overall"] = _overall(records, settings)
     shared = len(set(devices)) < len(devices)
     results["settings"].update(device=", ".join(devices), workers=n, resumed_benchmarks=[])
-    warnings = list(dict.fromkeys(w for r in reports for w in (r.get("warnings") or [])))
+    warnings, skipped = [], {}
+    for w in (x for r in reports for x in (r.get("warnings") or [])):
+        m = re.match(r"^(\w+): (\d+) prompts longer than (max_prompt_tokens=\d+) were skipped$", w)
+        if m:  # one count per worker: add them up
+            key = (m.group(1), m.group(3))
+            skipped[key] = skipped.get(key, 0) + int(m.group(2))
+        elif w not in warnings:
+            warnings.append(w)
+    warnings += [f"{b}: {n} prompts longer than {lim} were skipped" for (b, lim), n in skipped.items()]
     if shared:
         warnings.append(f"{n} workers shared {', '.join(sorted(set(devices)))}: tokens/s and speed-up were measured on a "
                         "shared device (acceptance and lossless checks are unaffected); use workers=1 for batch-1 timings")

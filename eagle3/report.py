@@ -210,6 +210,7 @@ def plot(results: dict, output_dir: Path) -> dict[str, str]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401  (MaxNLocator)
 
     benches = results.get("benchmarks") or {}
     spec = results.get("speculative") or {}
@@ -224,6 +225,7 @@ def plot(results: dict, output_dir: Path) -> dict[str, str]:
             drawn = True
     if drawn:
         ax.set_xlabel("draft position")
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))  # positions are whole numbers
         ax.set_ylabel("fraction of verify passes accepting it")
         ax.set_ylim(0, 1.02)
         ax.set_title("Per-position acceptance")

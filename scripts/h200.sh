@@ -61,7 +61,7 @@ for stage in $STAGES; do
     ;;
   fsdp_check)  # the FSDP code path (1 process) trains the toy drafter like plain single-GPU training
     rm -rf "$RUN/fsdp"; mkdir -p "$RUN/fsdp"
-    PYTHONPATH=tests:. python -c "from toy import write_features; write_features('$RUN/fsdp/f', n=40)"
+    PYTHONPATH="tests:.:${PYTHONPATH:-}" python -c "from toy import write_features; write_features('$RUN/fsdp/f', n=40)"
     python tests/dist_train_worker.py "$RUN/fsdp/f" "$RUN/fsdp/plain" loop.max_steps=4 'device="cuda"' loop.mixed_precision='"no"' >"$RUN/fsdp.log" 2>&1
     accelerate launch --config_file conf/accelerate/fsdp.yaml --num_processes 1 tests/dist_train_worker.py \
       "$RUN/fsdp/f" "$RUN/fsdp/fsdp" loop.max_steps=4 'device="cuda"' loop.mixed_precision='"no"' >>"$RUN/fsdp.log" 2>&1
