@@ -27,3 +27,14 @@ def resolve_device(name: str, setting: str = "engine.device") -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise Eagle3Error(f"{setting}={name} but no CUDA device is visible; use {setting}=cpu or {setting}=auto")
     return dev
+
+
+def cpu_has_native_bf16() -> bool | None:
+    """Whether this CPU multiplies bf16 natively (``avx512_bf16`` or ``amx_bf16`` in
+    ``/proc/cpuinfo``); None where that cannot be read (not Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return None
+    return "avx512_bf16" in flags or "amx_bf16" in flags

@@ -356,6 +356,7 @@ def run_extract(cfg) -> dict:
                 "data.limit / capture.max_length"
             )
         log.info("extract: %d prompts (%s), about %s on disk, %d samples per shard", len(plan), data_stats, _human_bytes(need), per_shard)
+        _warn_slow_cpu_bf16(cfg)
 
         # 5. extraction
         if engine is None:
@@ -445,6 +446,20 @@ def run_extract(cfg) -> dict:
     writer.finalize(summary)
     print(format_summary(summary))
     return summary
+
+
+def _warn_slow_cpu_bf16(cfg) -> None:
+    """Say so when the hf engine will compute bf16 on a CPU without native bf16 (slow)."""
+    from eagle3.devices import cpu_has_native_bf16, resolve_device
+
+    if getattr(cfg.engine, "name", None) != "hf" or str(cfg.model.dtype) not in ("bfloat16", "bf16"):
+        return
+    if resolve_device(str(cfg.engine.device)).type == "cpu" and cpu_has_native_bf16() is False:
+        log.warning(
+            "the target computes in bfloat16 on a CPU without native bf16 (no avx512_bf16/amx_bf16): about 5x slower "
+            "than float32 here (benchmarks/extract_throughput.py). For a quick CPU run use experiment=extract-cpu "
+            "(float32, first turn, 128 new tokens) and pass model.dtype=float32 to train.py and evaluate.py"
+        )
 
 
 def stats_part_name(worker: int, workers: int) -> str:

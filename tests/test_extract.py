@@ -328,3 +328,21 @@ def test_data_parallel_workers_equal_one_process(tiny_target_dir, tmp_path):
     assert again["this_run"]["resumed_shards"] == 2
     _, s3 = _shards(tmp_path / "two")
     assert all(torch.equal(s1[f][k], s3[f][k]) for f in s1 for k in s1[f])
+
+
+def test_bf16_on_a_cpu_without_native_bf16_is_flagged(monkeypatch, caplog):
+    import types
+
+    from eagle3 import devices
+    from eagle3.extract import _warn_slow_cpu_bf16
+
+    cfg = types.SimpleNamespace(engine=types.SimpleNamespace(name="hf", device="cpu"),
+                                model=types.SimpleNamespace(dtype="bfloat16"))
+    for native, dtype, expect in ((False, "bfloat16", True), (True, "bfloat16", False), (False, "float32", False),
+                                  (None, "bfloat16", False)):
+        monkeypatch.setattr(devices, "cpu_has_native_bf16", lambda n=native: n)
+        cfg.model.dtype = dtype
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="eagle3"):
+            _warn_slow_cpu_bf16(cfg)
+        assert ("experiment=extract-cpu" in caplog.text) == expect, (native, dtype)
