@@ -2,8 +2,9 @@
 
 A stage that runs ``workers > 1`` copies of itself spawns one process per worker with
 a copy of its typed config (``worker`` set), waits for all, and merges what they wrote.
-Processes are started with ``spawn`` (CUDA cannot be forked) and report failure through
-their exit code; an :class:`~eagle3.errors.Eagle3Error` in a worker prints one line.
+Processes are started with ``spawn`` (CUDA cannot be forked), each with an equal share
+of the host's CPU threads, and report failure through their exit code; an
+:class:`~eagle3.errors.Eagle3Error` in a worker prints one line.
 """
 
 from __future__ import annotations
@@ -19,8 +20,11 @@ from eagle3.errors import Eagle3Error
 log = logging.getLogger("eagle3")
 
 
-def _entry(fn_path: str, cfg: Any, worker: int) -> None:
+def _entry(fn_path: str, cfg: Any, worker: int, threads: int) -> None:
+    import torch
+
     logging.basicConfig(level=logging.INFO, format=f"[%(asctime)s][worker {worker}] %(message)s")
+    torch.set_num_threads(threads)  # the workers share the host's cores; oversubscribed threads thrash
     module, name = fn_path.rsplit(".", 1)
     fn = getattr(importlib.import_module(module), name)
     try:
@@ -42,10 +46,13 @@ def run_workers(fn_path: str, cfgs: Sequence[Any], what: str) -> None:
         Eagle3Error: one or more workers exited non-zero (their finished work is kept;
             the message says to run the same command again).
     """
+    import os
+
     ctx = mp.get_context("spawn")
+    threads = max(1, (os.cpu_count() or 1) // max(1, len(cfgs)))
     procs = []
     for w, c in enumerate(cfgs):
-        p = ctx.Process(target=_entry, args=(fn_path, c, w), name=f"{what}-worker-{w}")
+        p = ctx.Process(target=_entry, args=(fn_path, c, w, threads), name=f"{what}-worker-{w}")
         p.start()
         procs.append(p)
     try:
