@@ -1,6 +1,7 @@
 """The extract stage end to end on the tiny target, resume, bad inputs; one real SmolLM2 smoke run."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -293,7 +294,14 @@ def test_data_parallel_workers_equal_one_process(tiny_target_dir, tmp_path):
     data = _write_jsonl(tmp_path / "chats.jsonl", CHATS)
     one = _cfg(tiny_target_dir, tmp_path, data, tmp_path / "one")
     one.engine.generate_batch_size = 1
-    single = run_extract(one)
+    # the reference runs with the CPU threads one of two workers gets (eagle3.workers), so that
+    # bf16 reductions sum in the same order and the tensors can be compared bit for bit
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))
+    try:
+        single = run_extract(one)
+    finally:
+        torch.set_num_threads(threads)
     cfg = _cfg(tiny_target_dir, tmp_path, data, tmp_path / "two")
     cfg.engine.generate_batch_size = 1  # windows of 4 conversations: shards 0 and 1 form window 0, shard 2 window 1
     cfg.parallel.workers = 2
@@ -328,6 +336,7 @@ def test_data_parallel_workers_equal_one_process(tiny_target_dir, tmp_path):
     assert again["this_run"]["resumed_shards"] == 2
     _, s3 = _shards(tmp_path / "two")
     assert all(torch.equal(s1[f][k], s3[f][k]) for f in s1 for k in s1[f])
+
 
 
 def test_bf16_on_a_cpu_without_native_bf16_is_flagged(monkeypatch, caplog):
