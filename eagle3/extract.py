@@ -526,7 +526,7 @@ def run_parallel(cfg) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in out_dir.glob("*.tmp"):  # no worker is running yet
         stale.unlink()
-    resolve_target(cfg.model, Path(cfg.cache_dir))  # build the target (e.g. the INT4 checkpoint) once, not N times
+    target = resolve_target(cfg.model, Path(cfg.cache_dir))  # build the target (e.g. the INT4 checkpoint) once, not N times
     log.info("extract: %d workers on %s", n, ", ".join(devices))
     cfgs = []
     for w, dev in enumerate(devices):
@@ -550,7 +550,6 @@ def run_parallel(cfg) -> dict:
     this_run = {k: sum(r.get("this_run", {}).get(k, 0) for r in runs) for k in keys}
     this_run.update(wall_time_s=wall, total_time_s=wall, workers=n, devices=devices,
                     tokens_per_s=this_run["tokens"] / wall if wall > 0 else 0.0)
-    target = resolve_target(cfg.model, Path(cfg.cache_dir))
     data_stats = next((r["data_stats"] for r in runs if r.get("data_stats")), {})
     summary = _summary(cfg, target, writer.manifest, side, len(writer.manifest["plan"]), data_stats, this_run, out_dir)
     writer.finalize(summary)
