@@ -664,6 +664,7 @@ def train_drafter(
         metrics["exports"] = exports
         write_json_atomic(output_dir / "metrics.json", metrics)
         _record_sweep_job(metrics)
+    accelerator.wait_for_everyone()  # leave together: a process group torn down while a peer still exports can hang
     accelerator.end_training()
     if last_val is not None:
         log.info("validation: acc per step %s, simulated tau %.3f",

@@ -22,6 +22,9 @@ from eagle3.train import train_drafter  # noqa: E402
 
 
 def main() -> None:
+    import faulthandler
+
+    faulthandler.dump_traceback_later(300, exit=True)  # a hung collective fails the test with its stack, not a timeout
     features, out, *pairs = sys.argv[1:]
     stop_after = int(pairs.pop(0)) if pairs and "=" not in pairs[0] else None
     over = {}
