@@ -97,7 +97,7 @@ class HFEngineConfig:
     name: str = "hf"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     attn_implementation: str = "sdpa"
-    # Batch sizes; None = by device (cpu: 16 prompts, 16 sequences, 8192 tokens;
+    # Batch sizes; None = by device (cpu: 64 prompts, 16 sequences, 8192 tokens;
     # cuda: 256 prompts, 64 sequences, 65536 tokens).
     generate_batch_size: Optional[int] = None  # prompts per batched generate call
     capture_batch_size: Optional[int] = None  # sequences per batched capture forward
@@ -163,11 +163,11 @@ class DataConfig:
 # ------------------------------------------------------------------------- extract
 @dataclass
 class SamplingConfig:
-    """Regeneration settings (default greedy)."""
+    """Regeneration settings (default greedy; 128 new tokens, as evaluation decodes)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
-    max_new_tokens: int = 256
+    max_new_tokens: int = 128
     seed: int = 0
 
 
@@ -179,7 +179,9 @@ class CaptureConfig:
     max_length: int = 2048  # tokens per sample; longer samples are truncated (counted)
     shard_size_mb: float = 256.0  # MB of features per shard (sets samples per shard)
     regenerate: bool = True  # regenerate assistant turns with the target
-    max_turns: Optional[int] = None  # user turns kept (and answered) per conversation; None = all
+    # user turns kept (and answered) per conversation; None = every turn. Default 1: the
+    # first exchange, as the evaluation benchmarks prompt (multi-turn: capture.max_turns=null)
+    max_turns: Optional[int] = 1
 
 
 @dataclass

@@ -456,9 +456,10 @@ def _warn_slow_cpu_bf16(cfg) -> None:
         return
     if resolve_device(str(cfg.engine.device)).type == "cpu" and cpu_has_native_bf16() is False:
         log.warning(
-            "the target computes in bfloat16 on a CPU without native bf16 (no avx512_bf16/amx_bf16): about 5x slower "
-            "than float32 here (benchmarks/extract_throughput.py). For a quick CPU run use experiment=extract-cpu "
-            "(float32, first turn, 128 new tokens) and pass model.dtype=float32 to train.py and evaluate.py"
+            "the target computes in bfloat16 on a CPU without native bf16 (no avx512_bf16/amx_bf16), where bf16 "
+            "matmuls are emulated and can be several times slower than float32 (measure: benchmarks/"
+            "extract_throughput.py --dtype float32). For a CPU run use experiment=extract-cpu (float32) and pass "
+            "model.dtype=float32 to train.py and evaluate.py"
         )
 
 

@@ -41,7 +41,8 @@ def _cfg(tiny_target_dir, tmp_path, data_path, out, **kw):
         engine=HFEngineConfig(device="cpu", generate_batch_size=2, capture_batch_size=2, max_batch_tokens=512),
         data=DataConfig(name="chats", source="jsonl", path=str(data_path), validation_fraction=0.2, test_fraction=0.0),
         sampling=SamplingConfig(max_new_tokens=kw.pop("max_new_tokens", 10)),
-        capture=CaptureConfig(top_k=4, max_length=kw.pop("max_length", 96), shard_size_mb=kw.pop("shard_size_mb", 0.08)),
+        capture=CaptureConfig(top_k=4, max_length=kw.pop("max_length", 96), shard_size_mb=kw.pop("shard_size_mb", 0.08),
+                              max_turns=kw.pop("max_turns", None)),  # every turn: the multi-turn path
         output_dir=str(out),
         cache_dir=str(tmp_path / "cache"),
         **kw,
@@ -210,8 +211,8 @@ def test_configs_compose_and_kimi_without_a_server_says_what_is_missing(tmp_path
         for data in ("sharegpt", "gsm8k", "humaneval", "mtbench", "jsonl"):
             assert to_typed(compose("extract", [f"data={data}"])).data.source
         quick = to_typed(compose("extract", ["experiment=extract-cpu"]))
-        assert (quick.model.dtype, quick.capture.max_turns, quick.output_dir) == (
-            "float32", 1, "data/features/smollm2-135m-int4-cpu/sharegpt")
+        assert (quick.model.dtype, quick.capture.max_length, quick.output_dir) == (
+            "float32", 1024, "data/features/smollm2-135m-int4-cpu/sharegpt")
         kimi = to_typed(compose("extract", ["model=kimi-k25-int4", f"output_dir={tmp_path / 'k'}", f"cache_dir={tmp_path}"]))
     assert kimi.engine.name == "sglang" and kimi.model.num_layers == 61 and kimi.model.aux_layer_ids == [2, 30, 58]
     with pytest.raises(Eagle3Error, match="SGLang|sglang"):

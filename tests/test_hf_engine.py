@@ -102,13 +102,14 @@ def test_padding_masks_and_positions():
 
 
 def test_batched_greedy_generation_equals_one_by_one(engine):
+    """Left-padded batched greedy == each prompt alone, both with the engine's decode attention."""
     prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
                                                      return_dict=False)
                for c in ("Hi", "What is the capital of France, please?", "2+2")]
     smp = SamplingConfig(max_new_tokens=6)
     batched = engine.generate(prompts, smp)
     for p, b in zip(prompts, batched):
-        with torch.inference_mode():
+        with torch.inference_mode(), engine._generate_attention():
             ref = engine.model.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False,
                                         eos_token_id=engine.stop_ids, pad_token_id=engine.pad_id)[0, len(p):].tolist()
         assert b == ref
