@@ -40,6 +40,10 @@ def test_decode_step_equals_per_head_reference_with_padding():
     torch.testing.assert_close(out.double(), _reference(q, k, v, keep, 0.3), rtol=1e-5, atol=1e-6)
     # a row that sees one key returns that key's value for every head of its group
     torch.testing.assert_close(out[2, 0, :3], v[2, 0, -1].expand(3, D))
+    # no mask (no padding anywhere): every key is attended
+    full, _ = gqa_decode_attention(_Module(Hq // Hk), q, k, v, None, scaling=0.3)
+    torch.testing.assert_close(full.double(), _reference(q, k, v, torch.ones(B, T, dtype=torch.bool), 0.3),
+                               rtol=1e-5, atol=1e-6)
 
 
 def test_additive_mask_and_default_scale_match_sdpa():
@@ -53,6 +57,18 @@ def test_additive_mask_and_default_scale_match_sdpa():
         q, k.repeat_interleave(Hq // Hk, 1), v.repeat_interleave(Hq // Hk, 1), attn_mask=add
     ).transpose(1, 2)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_per_head_mask_is_passed_to_sdpa_unchanged():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    torch.manual_seed(4)
+    q, k, v = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
+    mask = torch.rand(2, 4, 1, 6) > 0.3
+    mask[..., -1] = True
+    a, _ = gqa_decode_attention(_Module(2), q, k, v, mask)
+    b, _ = sdpa_attention_forward(_Module(2), q, k, v, mask)
+    assert torch.equal(a, b)
 
 
 def test_prefill_is_passed_to_sdpa_unchanged():

@@ -14,7 +14,7 @@ included, at batch 64 x 256 prompt tokens and 64 new tokens: 70.5 -> 131.4 token
 ``sdpa``'s mask function with ``AttentionMaskInterface``, so masks are built exactly as
 for ``sdpa``). Calls with more than one query (prefill, verify passes) and calls
 carrying options this path does not implement (softcap, attention sinks, dropout)
-are passed to transformers' own ``sdpa_attention_forward`` unchanged. The math is
+or a per-head mask are passed to transformers' own ``sdpa_attention_forward`` unchanged. The math is
 eager attention's: ``softmax(q k^T * scaling + mask)`` in float32, cast back, times
 ``v`` (transformers ``eager_attention_forward``); in bf16 it rounds differently from
 the flash kernel, so greedy replies may differ after a near-tie, as between any two
@@ -51,7 +51,8 @@ def gqa_decode_attention(module, query, key, value, attention_mask, dropout: flo
 
     B, Hq, Q, D = query.shape
     Hk = key.shape[1]
-    if Q != 1 or dropout or Hq % Hk or any(kwargs.get(k) is not None for k in _PASS_THROUGH):
+    per_head_mask = attention_mask is not None and attention_mask.shape[1] != 1
+    if Q != 1 or dropout or Hq % Hk or per_head_mask or any(kwargs.get(k) is not None for k in _PASS_THROUGH):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     g = Hq // Hk
