@@ -23,14 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-
-def _model_cfg(name: str):
-    from hydra import compose, initialize_config_dir
-
-    from eagle3.cli import to_typed
-
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return to_typed(compose("extract", [f"model={name}", "engine=hf"])).model
+from benchmarks.extract_throughput import _model_cfg  # noqa: E402  (one way to compose a model config)
 
 
 def main(argv=None) -> dict:
@@ -73,7 +66,7 @@ def main(argv=None) -> dict:
             torch.cuda.synchronize(dev)
         return out[:, T:].cpu(), B * N / (time.perf_counter() - t)
 
-    with engine._generate_attention():
+    with engine.generation_attention():
         got, fast = run()
     engine.model.set_attn_implementation("sdpa")
     want, plain = run()

@@ -109,7 +109,7 @@ def test_batched_greedy_generation_equals_one_by_one(engine):
     smp = SamplingConfig(max_new_tokens=6)
     batched = engine.generate(prompts, smp)
     for p, b in zip(prompts, batched):
-        with torch.inference_mode(), engine._generate_attention():
+        with torch.inference_mode(), engine.generation_attention():
             ref = engine.model.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False,
                                         eos_token_id=engine.stop_ids, pad_token_id=engine.pad_id)[0, len(p):].tolist()
         assert b == ref

@@ -151,8 +151,10 @@ class HFEngine(Engine):
 
     # -------------------------------------------------------------- generation
     @contextlib.contextmanager
-    def _generate_attention(self):
-        """The model runs ``self.generate_attn`` inside the block, its configured attention after."""
+    def generation_attention(self):
+        """Context manager: inside it the model attends with ``self.generate_attn`` (what
+        :meth:`generate` uses; on a CPU the GQA decode attention), after it with
+        ``engine.attn_implementation`` again (what :meth:`capture` uses)."""
         if self.generate_attn == self.cfg.attn_implementation:
             yield
             return
@@ -194,7 +196,7 @@ class HFEngine(Engine):
                         file=sys.stderr):
             width = max(lengths[i] for i in idx)
             ids, mask = left_pad([prompts[i] for i in idx], self.pad_id)
-            with self._generate_attention():
+            with self.generation_attention():
                 gen = self.model.generate(
                     input_ids=ids.to(self.device), attention_mask=mask.to(self.device), generation_config=gen_cfg
                 )
