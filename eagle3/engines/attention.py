@@ -12,10 +12,10 @@ included, at batch 64 x 256 prompt tokens and 64 new tokens: 70.5 -> 131.4 token
 
 :data:`GQA_DECODE` is registered with transformers' ``AttentionInterface`` (and
 ``sdpa``'s mask function with ``AttentionMaskInterface``, so masks are built exactly as
-for ``sdpa``). Calls with more than one query (prefill, verify passes) and calls
-carrying options this path does not implement (softcap, attention sinks, dropout)
-or a per-head mask are passed to transformers' own ``sdpa_attention_forward`` unchanged. The math is
-eager attention's: ``softmax(q k^T * scaling + mask)`` in float32, cast back, times
+for ``sdpa``). Calls with more than one query (prefill, verify passes), with a per-head
+mask, or carrying options this path does not implement (softcap, attention sinks,
+dropout) are passed to transformers' own ``sdpa_attention_forward`` unchanged. The
+math is eager attention's: ``softmax(q k^T * scaling + mask)`` in float32, cast back, times
 ``v`` (transformers ``eager_attention_forward``); in bf16 it rounds differently from
 the flash kernel, so greedy replies may differ after a near-tie, as between any two
 attention kernels.
