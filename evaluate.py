@@ -8,7 +8,7 @@ from eagle3.cli import run_stage
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="evaluate")
 def main(cfg):
-    from eagle3.evaluate import run_evaluate
+    from eagle3.evaluate.run import run_evaluate
 
     return run_stage(run_evaluate, cfg)
 

@@ -13,13 +13,13 @@ CONF = Path(__file__).resolve().parent / "conf"
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="extract")
 def main(cfg):
-    from eagle3.extract import run_extract
+    from eagle3.extract.run import run_extract
 
     return run_stage(run_extract, cfg)
 
 
 if __name__ == "__main__":
-    from eagle3.extract import unknown_group_choice
+    from eagle3.extract.run import unknown_group_choice
 
     problem = unknown_group_choice(sys.argv[1:], CONF)
     if problem:

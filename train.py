@@ -8,7 +8,7 @@ from eagle3.cli import run_stage
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg):
-    from eagle3.train import run_train
+    from eagle3.train.loop import run_train
 
     return run_stage(run_train, cfg)
 

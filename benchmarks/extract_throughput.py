@@ -39,7 +39,7 @@ def _sync(device):
 def main(argv=None) -> dict:
     import eagle3  # noqa: F401
     from eagle3.config import HFEngineConfig
-    from eagle3.engines.hf import HFEngine
+    from eagle3.engines.hf.engine import HFEngine
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m-int4", help="a conf/model name")

@@ -31,7 +31,7 @@ def main(argv=None) -> dict:
     from transformers import GenerationConfig
 
     from eagle3.config import HFEngineConfig
-    from eagle3.engines.hf import HFEngine
+    from eagle3.engines.hf.engine import HFEngine
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m-int4", help="a conf/model name")

@@ -32,8 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from eagle3.drafter import DrafterArch, Eagle3Drafter  # noqa: E402
-from eagle3.ttt import TTTCollator, batch_to, target_to_draft_index, ttt_forward  # noqa: E402
+from eagle3.train.drafter import DrafterArch, Eagle3Drafter  # noqa: E402
+from eagle3.train.ttt import TTTCollator, batch_to, target_to_draft_index, ttt_forward  # noqa: E402
 
 SHAPES = {
     "smollm2": DrafterArch(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,

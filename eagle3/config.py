@@ -10,7 +10,7 @@ Conventions used throughout:
   id ``k`` is the residual stream *entering* decoder layer ``k`` (= output of layer
   ``k-1``); ``0`` is the embedding output. Default ``[2, L//2, L-3]`` for an
   ``L``-layer target. SGLang's own convention differs per architecture; the exporter
-  converts (see :mod:`eagle3.layers`).
+  converts (see :mod:`eagle3.target.layers`).
 * Paths are relative to the directory the command is started from (Hydra does not
   change the working directory: ``hydra.job.chdir=False``).
 """
@@ -213,7 +213,8 @@ class ExtractConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     capture: CaptureConfig = field(default_factory=CaptureConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    output_dir: Optional[str] = None  # default data/features/<model>/<data>
+    # Defaults are interpolations resolved by Hydra (eagle3.paths); the YAML sets hydra.run.dir to output_dir.
+    output_dir: str = "data/features/${model.name}/${data.name}"
     cache_dir: str = "data/models"
     seed: int = 0
 
@@ -286,8 +287,8 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     loop: LoopConfig = field(default_factory=LoopConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
-    features_dir: Optional[str] = None  # default data/features/<model>/<data>
-    output_dir: Optional[str] = None  # default data/drafters/<model>/<data>
+    features_dir: str = "data/features/${model.name}/${data.name}"  # comma-separated for several folders
+    output_dir: str = "data/drafters/${model.name}/${data.name}"
     cache_dir: str = "data/models"
     device: str = "auto"
     seed: int = 0
@@ -341,8 +342,8 @@ class EvaluateConfig:
     workers: int = 1
     worker: Optional[int] = None  # set by the orchestrator
     devices: list[str] = field(default_factory=list)
-    drafter_dir: Optional[str] = None  # default data/drafters/<model>/sharegpt/export/sglang
-    output_dir: Optional[str] = None  # default data/eval/<model>
+    drafter_dir: str = "data/drafters/${model.name}/sharegpt/export/sglang"
+    output_dir: str = "data/eval/${model.name}"
     cache_dir: str = "data/models"
     seed: int = 0
 

@@ -38,7 +38,7 @@ def run_workers(fn_path: str, cfgs: Sequence[Any], what: str) -> None:
     """Run ``fn(cfgs[w])`` in one spawned process per worker and wait for all.
 
     Args:
-        fn_path: dotted path of the stage function (``eagle3.extract.run_extract``).
+        fn_path: dotted path of the stage function (``eagle3.extract.run.run_extract``).
         cfgs: one config per worker.
         what: the stage's name in messages (``extraction``, ``evaluation``).
 

@@ -18,7 +18,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 
 from toy import embed, make_cfg, tiny_target  # noqa: E402
 
-from eagle3.train import train_drafter  # noqa: E402
+from eagle3.train.loop import train_drafter  # noqa: E402
 
 
 def main() -> None:

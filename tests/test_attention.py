@@ -1,11 +1,11 @@
-"""The GQA decode attention (eagle3.engines.attention) against independent references."""
+"""The GQA decode attention (eagle3.engines.hf.attention) against independent references."""
 
 import math
 
 import pytest
 import torch
 
-from eagle3.engines.attention import GQA_DECODE, gqa_decode_attention, register
+from eagle3.engines.hf.attention import GQA_DECODE, gqa_decode_attention, register
 
 
 class _Module:  # what transformers' sdpa path reads off an attention module

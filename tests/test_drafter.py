@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from eagle3.drafter import DrafterArch, Eagle3Drafter
-from eagle3.ttt import ttt_forward
+from eagle3.train.drafter import DrafterArch, Eagle3Drafter
+from eagle3.train.ttt import ttt_forward
 
 ARCH = DrafterArch(
     hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,

@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3 import features
+from eagle3.features import store as features
 from eagle3.config import CaptureConfig, DataConfig, ExtractConfig, HFEngineConfig, ModelConfig, QuantizationConfig, SamplingConfig
 from eagle3.errors import Eagle3Error
-from eagle3.extract import run_extract
+from eagle3.extract.run import run_extract
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -181,7 +181,7 @@ def test_layer_id_out_of_range_and_too_little_disk(tiny_target_dir, tmp_path, mo
     with pytest.raises(Eagle3Error, match=r"\[12\] outside the target's 8 layers"):
         run_extract(cfg)
     cfg.model.aux_layer_ids = None
-    import eagle3.extract as ex
+    import eagle3.extract.run as ex
 
     monkeypatch.setattr(ex, "free_disk_bytes", lambda path: 1000)
     with pytest.raises(Eagle3Error, match=r"needs about .* only 1.0 KB is free"):
@@ -261,7 +261,7 @@ class _EchoEngine:
 def test_regenerate_turn_by_turn_with_system_kept_and_turn_cap(tiny_tokenizer_dir):
     from transformers import AutoTokenizer
 
-    from eagle3.extract import keep_turns, regenerate
+    from eagle3.extract.run import keep_turns, regenerate
 
     tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
     eng = _EchoEngine(tok)
@@ -344,7 +344,7 @@ def test_bf16_on_a_cpu_without_native_bf16_is_flagged(monkeypatch, caplog):
     import types
 
     from eagle3 import devices
-    from eagle3.extract import _warn_slow_cpu_bf16
+    from eagle3.extract.run import _warn_slow_cpu_bf16
 
     cfg = types.SimpleNamespace(engine=types.SimpleNamespace(name="hf", device="cpu"),
                                 model=types.SimpleNamespace(dtype="bfloat16"))

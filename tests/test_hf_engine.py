@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from eagle3.config import HFEngineConfig, ModelConfig, SamplingConfig
 from eagle3.engines import build_engine
-from eagle3.engines.hf import left_pad, right_pad
+from eagle3.engines.hf.engine import left_pad, right_pad
 from eagle3.errors import Eagle3Error
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from eagle3.metrics import (
+from eagle3.evaluate.metrics import (
     acceptance_summary,
     accept_histogram,
     conditional_acceptance,

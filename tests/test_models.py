@@ -10,7 +10,7 @@ from safetensors import safe_open
 
 from eagle3.config import ModelConfig, QuantizationConfig
 from eagle3.errors import Eagle3Error
-from eagle3.models import (
+from eagle3.target.models import (
     _atomic_build,
     content_hash,
     load_target,

@@ -2,7 +2,7 @@
 
 import json
 
-from eagle3.report import headline, write_report
+from eagle3.evaluate.report import headline, write_report
 
 KEYS = {"acceptance_length", "acceptance_rate", "verify_passes", "generated_tokens", "per_position_acceptance",
         "tokens_per_s_spec", "tokens_per_s_base", "speedup", "lossless_matches", "diversity",

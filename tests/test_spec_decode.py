@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3.errors import Eagle3Error
-from eagle3.spec_decode import (
+from eagle3.spec.decoder import (
     DraftProposer,
     DraftTree,
     SpecSettings,
@@ -435,7 +435,7 @@ def test_sampling_end_to_end_matches_the_target_distribution(topk, ndt):
 
 # ----------------------------------------------------------------------------- EAGLE-3 drafter
 def tiny_drafter(target, vocab_draft=48, seed=0):
-    from eagle3.drafter import DrafterArch, Eagle3Drafter
+    from eagle3.train.drafter import DrafterArch, Eagle3Drafter
 
     cfg = target.config
     arch = DrafterArch(
@@ -482,7 +482,7 @@ class RecordingProposer:
 
 @pytest.mark.parametrize("topk,ndt", [(1, 4), (2, 6)])
 def test_eagle3_drafter_is_lossless_and_its_cache_matches_a_fresh_forward(target, topk, ndt):
-    from eagle3.spec_decode import Eagle3Proposer
+    from eagle3.spec.decoder import Eagle3Proposer
 
     drafter = tiny_drafter(target)
     n = 40
@@ -511,7 +511,7 @@ def test_eagle3_drafter_is_lossless_and_its_cache_matches_a_fresh_forward(target
 
 
 def test_eagle3_tree_steps_equal_chains_along_each_path(target):
-    from eagle3.spec_decode import Eagle3Proposer
+    from eagle3.spec.decoder import Eagle3Proposer
 
     drafter = tiny_drafter(target, seed=1)
     runner = TargetRunner(target, AUX)

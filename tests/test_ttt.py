@@ -6,8 +6,8 @@ import math
 import torch
 from transformers import DynamicCache
 
-from eagle3.drafter import DrafterArch, Eagle3Drafter
-from eagle3.ttt import (
+from eagle3.train.drafter import DrafterArch, Eagle3Drafter
+from eagle3.train.ttt import (
     TTTCollator,
     chain_acceptance,
     kl_loss,

@@ -21,12 +21,12 @@ def build_engine(model_cfg, engine_cfg, cache_dir, run_dir) -> Engine:
     """
     name = getattr(engine_cfg, "name", None)
     if name == "hf":
-        from eagle3.engines.hf import HFEngine
+        from eagle3.engines.hf.engine import HFEngine
 
         return HFEngine.from_config(model_cfg, engine_cfg, cache_dir, run_dir)
     if name == "sglang":
         try:
-            from eagle3.engines.sglang import SGLangEngine
+            from eagle3.engines.sglang.engine import SGLangEngine
         except ImportError as e:
             raise Eagle3Error(
                 f"SGLang support is missing in this installation ({e}); use engine=hf or install eagle3 with its sglang engine"

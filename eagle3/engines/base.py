@@ -2,8 +2,8 @@
 
 An engine serves one target. It regenerates assistant turns for rendered prompts and
 captures, for full token sequences, the target's aux hidden states and its next-token
-top-k distribution at every position. ``eagle3.engines.hf`` runs transformers
-in-process; ``eagle3.engines.sglang`` talks to an SGLang server.
+top-k distribution at every position. ``eagle3.engines.hf.engine`` runs transformers
+in-process; ``eagle3.engines.sglang.engine`` talks to an SGLang server.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 from typing import Any
 
-from eagle3.features import Capture
+from eagle3.features.store import Capture
 
 
 class Engine(abc.ABC):

@@ -4,7 +4,7 @@ Generation: ``model.generate`` on length-sorted batches with left padding (the
 tokenizer's pad id; attention mask given, so transformers derives position ids from
 it), greedy unless ``temperature > 0``, stopping at EOS or the template's end-of-turn
 token. On a CPU with ``attn_implementation=sdpa`` the decode steps use the GQA decode
-attention of :mod:`eagle3.engines.attention` (prefill stays ``sdpa``); recorded as
+attention of :mod:`eagle3.engines.hf.attention` (prefill stays ``sdpa``); recorded as
 ``generate_attn`` in :meth:`HFEngine.info`.
 
 Capture: one forward pass of the base model per length-sorted batch with right
@@ -12,7 +12,7 @@ padding, an explicit attention mask and position ids ``0..len-1``, so every real
 sees exactly the tokens it would see alone. Aux hidden states are taken with forward
 pre-hooks: id ``k < L`` is the input of decoder layer ``k`` and id ``L`` the input of the
 final norm, i.e. HF ``output_hidden_states[k]`` (the convention of
-:mod:`eagle3.layers`), without keeping all ``L + 1`` states. Next-token log-probs use
+:mod:`eagle3.target.layers`), without keeping all ``L + 1`` states. Next-token log-probs use
 the target's own logits (``lm_head`` in the model dtype, as the served model computes
 them), with the log-softmax and top-k done in float32 on chunks of real positions only,
 so no ``[B, T, V]`` float32 tensor is ever built.
@@ -29,12 +29,12 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from eagle3.chat import end_of_turn_ids
+from eagle3.target.chat import end_of_turn_ids
 from eagle3.engines.base import Engine
 from eagle3.errors import Eagle3Error
-from eagle3.features import Capture
+from eagle3.features.store import Capture
 from eagle3.devices import resolve_device
-from eagle3.models import TargetInfo, load_target
+from eagle3.target.models import TargetInfo, load_target
 
 log = logging.getLogger("eagle3")
 
@@ -114,7 +114,7 @@ class HFEngine(Engine):
         self.stop_ids = end_of_turn_ids(tokenizer)
         self.generate_attn = engine_cfg.attn_implementation
         if device.type == "cpu" and engine_cfg.attn_implementation == "sdpa":
-            from eagle3.engines.attention import register
+            from eagle3.engines.hf.attention import register
 
             self.generate_attn = register()
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]

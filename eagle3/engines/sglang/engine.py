@@ -70,8 +70,8 @@ from typing import Any, Callable, Sequence, TypeVar
 import torch
 
 from eagle3.errors import Eagle3Error
-from eagle3.features import Capture
-from eagle3.layers import to_sglang_ids
+from eagle3.features.store import Capture
+from eagle3.target.layers import to_sglang_ids
 
 try:  # the shared interface; a structural stand-in keeps this module importable alone
     from eagle3.engines.base import Engine
@@ -480,7 +480,7 @@ def _topk_row(entry: Any, top_k: int, where: str) -> tuple[list[int], list[float
 
 
 def parse_capture(out: dict, input_ids: Sequence[int], hidden_size: int, top_k: int, url: str = "the server") -> Capture:
-    """Turn one capture answer of SGLang into a :class:`~eagle3.features.Capture`.
+    """Turn one capture answer of SGLang into a :class:`~eagle3.features.store.Capture`.
 
     Args:
         out: the ``/generate`` answer for ``input_ids`` sent with ``max_new_tokens=1``,
@@ -984,16 +984,16 @@ def _connect_host(host: str) -> str:
 
 
 def resolve_model_path(model_cfg: Any, dims: dict) -> str:
-    """What ``--model-path`` gets: the local folder ``eagle3.models`` resolved or built
+    """What ``--model-path`` gets: the local folder ``eagle3.target.models`` resolved or built
     for the target (``package:`` sources, quantised builds), else the hub id."""
     return str(dims.get("path") or model_cfg.source)
 
 
 # ====================================================================== bootstrap drafter
 def _target_dims(model_cfg: Any, cache_dir: str | os.PathLike) -> dict:
-    """Target sizes, aux ids and local folder from ``eagle3.models.resolve_target``
+    """Target sizes, aux ids and local folder from ``eagle3.target.models.resolve_target``
     (for a hub-only target such as Kimi these come from the model config alone)."""
-    from eagle3.models import resolve_target
+    from eagle3.target.models import resolve_target
 
     info = resolve_target(model_cfg, cache_dir)
     dims = {k: getattr(info, k, None) for k in (
@@ -1027,8 +1027,8 @@ def bootstrap_arch(dims: dict, tp: int) -> dict:
 def write_bootstrap_drafter(out_dir: Path, arch: dict, aux_layer_ids: list[int], architecture: str, meta: dict, seed: int = 0) -> Path:
     """Write a randomly initialised drafter in the SGLang format.
 
-    Uses the project's exporter (``eagle3.export.export_sglang`` on an
-    ``eagle3.drafter.Eagle3Drafter``) when it is available, else writes the documented
+    Uses the project's exporter (``eagle3.export.sglang.export_sglang`` on an
+    ``eagle3.train.drafter.Eagle3Drafter``) when it is available, else writes the documented
     format directly (docs/design.md, "Export"): ``config.json``
     (``LlamaForCausalLMEagle3``, aux ids in SGLang's convention for the architecture)
     and ``model.safetensors`` with ``fc.weight [H, 3H]``, ``midlayer.*``,
@@ -1037,8 +1037,8 @@ def write_bootstrap_drafter(out_dir: Path, arch: dict, aux_layer_ids: list[int],
     out_dir = Path(out_dir)
     torch.manual_seed(seed)
     try:
-        from eagle3.drafter import DrafterArch, Eagle3Drafter
-        from eagle3.export import export_sglang
+        from eagle3.train.drafter import DrafterArch, Eagle3Drafter
+        from eagle3.export.sglang import export_sglang
     except ImportError:  # pragma: no cover - only without the train modules
         export_sglang = None  # type: ignore[assignment]
     meta = dict(meta, aux_layer_ids=list(aux_layer_ids))
@@ -1138,7 +1138,7 @@ def read_draft_aux_ids(draft_path: str | None, architecture: str) -> list[int] |
     local folder with ``config.json``), or None when it cannot be read from here."""
     if not draft_path or not os.path.isfile(os.path.join(draft_path, "config.json")):
         return None
-    from eagle3.layers import from_sglang_ids
+    from eagle3.target.layers import from_sglang_ids
 
     cfg = json.loads(Path(draft_path, "config.json").read_text())
     ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
@@ -1332,7 +1332,7 @@ class SGLangEngine(Engine):
 # ================================================================================= CLI
 def main(argv: list[str] | None = None) -> int:
     """Print the ``sglang.launch_server`` command eagle3 would run, for starting a server
-    by hand: ``python -m eagle3.engines.sglang {capture|baseline|speculative} model=... [overrides]``.
+    by hand: ``python -m eagle3.engines.sglang.engine {capture|baseline|speculative} model=... [overrides]``.
 
     ``capture`` first writes the bootstrap drafter under ``cache_dir`` (once) and prints
     its folder; ``speculative`` serves ``drafter_dir`` (or the default export folder).
@@ -1358,9 +1358,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"# bootstrap drafter: {boot}", file=sys.stderr)
             spec = dict(CAPTURE_SPEC, draft_model_path=str(boot.resolve()))
         elif mode == "speculative":
-            from eagle3.evaluate import default_drafter_dir
-
-            spec = {"draft_model_path": str(default_drafter_dir(cfg).resolve()), "num_steps": cfg.speculative.num_steps,
+            spec = {"draft_model_path": str(Path(cfg.drafter_dir).resolve()), "num_steps": cfg.speculative.num_steps,
                     "topk": cfg.speculative.topk, "num_draft_tokens": cfg.speculative.num_draft_tokens}
         flags = probe_server_flags(cfg.engine.python) if sglang_available(cfg.engine.python) else None
         cmd = render_launch_command(

@@ -8,7 +8,7 @@ SGLang format (``<output_dir>/export/sglang/``), as read by SGLang's
   ``target_hidden_size``, ``tie_word_embeddings: false`` (else SGLang ties
   ``lm_head`` to the embeddings) and ``eagle_config.eagle_aux_hidden_state_layer_ids``
   in SGLang's convention for the target's architecture
-  (:func:`eagle3.layers.to_sglang_ids`), so that the server captures exactly the aux
+  (:func:`eagle3.target.layers.to_sglang_ids`), so that the server captures exactly the aux
   hidden states the drafter was trained on.
 * ``model.safetensors``: ``fc.weight [H, 3*Ht]``, ``midlayer.{input_layernorm,
   hidden_norm, post_attention_layernorm}.weight``, ``midlayer.self_attn.{q,k,v,o}_proj
@@ -43,9 +43,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eagle3.drafter import DrafterArch, Eagle3Drafter
+from eagle3.train.drafter import DrafterArch, Eagle3Drafter
 from eagle3.errors import Eagle3Error
-from eagle3.layers import from_sglang_ids, to_sglang_ids
+from eagle3.io import replace_dir
+from eagle3.target.layers import from_sglang_ids, to_sglang_ids
 
 SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
 META_FILE = "eagle3_meta.json"
@@ -54,18 +55,6 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return {v: k for k, v in DTYPES.items()}[dtype]
-
-
-def _replace_dir(tmp: Path, out: Path) -> None:
-    """Move the finished ``tmp`` folder to ``out`` (replacing an older export)."""
-    old = out.with_name(out.name + ".old")
-    if old.exists():
-        shutil.rmtree(old)
-    if out.exists():
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old.exists():
-        shutil.rmtree(old)
 
 
 def _write_json(path: Path, obj) -> None:
@@ -122,7 +111,7 @@ def export_sglang(drafter: Eagle3Drafter, out_dir: str | os.PathLike, meta: dict
     """Write ``drafter`` in SGLang's EAGLE-3 format to ``out_dir`` (atomically).
 
     Args:
-        drafter: a one-layer :class:`~eagle3.drafter.Eagle3Drafter`.
+        drafter: a one-layer :class:`~eagle3.train.drafter.Eagle3Drafter`.
         meta: provenance (see :data:`META_FILE`); must hold ``aux_layer_ids`` (HF
             convention, 3 ids) and ``target.architecture`` (``llama`` |
             ``deepseek_v2``), which decide the ids written in ``config.json``.
@@ -160,7 +149,7 @@ def export_sglang(drafter: Eagle3Drafter, out_dir: str | os.PathLike, meta: dict
         draft_vocab_size=arch.draft_vocab_size,
     )
     _write_json(tmp / META_FILE, full_meta)
-    _replace_dir(tmp, out)
+    replace_dir(tmp, out)
     return out
 
 
@@ -343,5 +332,5 @@ def export_speculators(drafter: Eagle3Drafter, out_dir: str | os.PathLike, meta:
     model = to_speculators_model(copy.deepcopy(drafter).float().cpu(), meta, ttt_steps).to(dtype)
     model.save_pretrained(str(tmp))
     _write_json(tmp / META_FILE, dict(meta, draft_vocab_size=drafter.arch.draft_vocab_size))
-    _replace_dir(tmp, out)
+    replace_dir(tmp, out)
     return out

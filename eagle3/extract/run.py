@@ -11,7 +11,7 @@ Order of work (cheap checks first, so a misconfiguration fails in seconds):
 4. preflight: estimated bytes against free disk; then the ``hf`` engine loads the model;
 5. per window of shards: regenerate every assistant turn in order, batched across
    conversations (system prompt kept, user turns as given); render each conversation
-   with the chat template once (loss mask from token offsets, :mod:`eagle3.chat`);
+   with the chat template once (loss mask from token offsets, :mod:`eagle3.target.chat`);
    truncate at ``capture.max_length``; capture; write each shard atomically.
 
 A run started again with the same settings resumes: written shards are kept (their
@@ -37,20 +37,13 @@ import torch
 from tqdm import tqdm
 
 from eagle3.errors import Eagle3Error
+from eagle3.io import read_json, write_json_atomic
+from eagle3.paths import stage_output_dir
 
 log = logging.getLogger("eagle3")
 
 DISK_MARGIN = 1.10  # refuse unless free space >= 110% of the estimate
 STATS_FILE = "extract_stats.json"  # per-shard counts the manifest does not keep (truncations, generated tokens)
-
-
-def _read_side(path: Path) -> dict:
-    import json
-
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def free_disk_bytes(path: Path) -> int:
@@ -59,10 +52,6 @@ def free_disk_bytes(path: Path) -> int:
     while not p.exists():
         p = p.parent
     return shutil.disk_usage(p).free
-
-
-def default_output_dir(cfg) -> Path:
-    return Path("data/features") / cfg.model.name / cfg.data.name
 
 
 def _versions() -> dict:
@@ -107,7 +96,7 @@ def _generation_width(engine_cfg) -> int:
         if v:
             return 4 * int(v)
     from eagle3.devices import resolve_device
-    from eagle3.engines.hf import DEFAULT_BATCH
+    from eagle3.engines.hf.engine import DEFAULT_BATCH
 
     dev = resolve_device(getattr(engine_cfg, "device", "auto")).type
     return 4 * DEFAULT_BATCH["cuda" if dev == "cuda" else "cpu"]["generate_batch_size"]
@@ -164,7 +153,7 @@ def regenerate(engine, tokenizer, conversations: list[tuple[str, list[dict]]], s
         ``stats["cut"]`` lists conversations stopped before their last user turn and
         ``stats["generated_by_id"]`` the generated tokens per sample.
     """
-    from eagle3.chat import render_prompt
+    from eagle3.target.chat import render_prompt
 
     convs = []
     for sid, msgs in conversations:
@@ -219,7 +208,7 @@ def regenerate(engine, tokenizer, conversations: list[tuple[str, list[dict]]], s
 
 # ------------------------------------------------------------------------ stage
 def _metadata(cfg, target, engine, tokenizer) -> dict:
-    from eagle3.chat import chat_template_hash
+    from eagle3.target.chat import chat_template_hash
 
     d = cfg.data
     return {
@@ -259,7 +248,7 @@ def _estimate_tokens(tokenizer, rows: list[list[dict]], cfg) -> tuple[list[int],
     """Per conversation: rendered user/system turns + one reply of max_new_tokens per user
     turn (or the original replies when not regenerating), capped at max_length; and the
     number of conversations whose first prompt alone reaches max_length."""
-    from eagle3.chat import render_prompt
+    from eagle3.target.chat import render_prompt
 
     est, too_long = [], 0
     max_length = int(cfg.capture.max_length)
@@ -295,10 +284,10 @@ def run_extract(cfg) -> dict:
             server/tokenizer, layer ids out of range, too little disk, a folder holding
             another extraction); nothing is written before the preflight passes.
     """
-    from eagle3 import features
-    from eagle3.chat import render_conversation
+    from eagle3.features import store as features
+    from eagle3.target.chat import render_conversation
     from eagle3.engines import build_engine
-    from eagle3.models import load_tokenizer, resolve_target
+    from eagle3.target.models import load_tokenizer, resolve_target
     from eagle3.prompts import load_conversations, select_for_extraction
 
     t_start = time.time()
@@ -309,7 +298,7 @@ def run_extract(cfg) -> dict:
     if workers > 1 and worker is None:
         return run_parallel(cfg)
     part = (int(worker), workers) if workers > 1 else None
-    out_dir = Path(cfg.output_dir) if cfg.output_dir else default_output_dir(cfg)
+    out_dir = stage_output_dir(cfg)
     manifest_name = features.MANIFEST if part is None else features.part_manifest_name(*part)
     cache_dir = Path(cfg.cache_dir)
     max_length, top_k = int(cfg.capture.max_length), int(cfg.capture.top_k)
@@ -375,7 +364,7 @@ def run_extract(cfg) -> dict:
         mine = [i for i in range(len(chunks)) if part is None or (i // width) % workers == part[0]]
         run_stats = {"samples": 0, "tokens": 0, "masked_tokens": 0, "generated_tokens": 0, "truncated": 0, "dropped": 0}
         side_path = out_dir / (STATS_FILE if part is None else stats_part_name(*part))
-        side = _read_side(side_path) if len(pending) < len(chunks) else {}
+        side = read_json(side_path, {}) if len(pending) < len(chunks) else {}
         t_run = time.time()
         bar = tqdm(total=sum(len(c) for _, c in pending), desc="extract" if part is None else f"extract[{part[0]}]",
                    unit="sample", file=sys.stderr, mininterval=5.0, position=part[0] if part else None)
@@ -414,7 +403,7 @@ def run_extract(cfg) -> dict:
                     "truncated": [i for i in truncated if i in kept],
                     "generated_tokens": sum(gen_by_id.get(sid, 0) for sid, _ in chunks[index]),
                 }
-                features.write_json_atomic(side_path, side)  # before the shard: a kept shard always has its stats
+                write_json_atomic(side_path, side)  # before the shard: a kept shard always has its stats
                 writer.write_shard(index, records, dropped)
                 run_stats["samples"] += len(records)
                 run_stats["tokens"] += sum(len(r[2]) for r in records_in)
@@ -440,7 +429,7 @@ def run_extract(cfg) -> dict:
     }
     if part is not None:  # a worker: its counts go to the orchestrator, which merges and summarises
         side["_run"] = {"this_run": this_run, "data_stats": data_stats}
-        features.write_json_atomic(side_path, side)
+        write_json_atomic(side_path, side)
         return this_run
     summary = _summary(cfg, target, writer.manifest, side, len(plan), data_stats, this_run, out_dir)
     writer.finalize(summary)
@@ -502,7 +491,7 @@ def run_parallel(cfg) -> dict:
 
     Worker ``w`` extracts generation windows ``w, w+N, ...`` on its own device into the
     shared output folder (shard files by global index, its own part manifest); when all
-    have finished, :meth:`eagle3.features.FeatureWriter.merge_parts` writes one
+    have finished, :meth:`eagle3.features.store.FeatureWriter.merge_parts` writes one
     ``manifest.json`` listing every planned sample exactly once. Running the same command
     again after an interruption resumes every worker.
 
@@ -512,8 +501,8 @@ def run_parallel(cfg) -> dict:
     """
     import copy
 
-    from eagle3 import features
-    from eagle3.models import resolve_target
+    from eagle3.features import store as features
+    from eagle3.target.models import resolve_target
     from eagle3.workers import run_workers, worker_devices
 
     n = int(cfg.parallel.workers)
@@ -523,7 +512,7 @@ def run_parallel(cfg) -> dict:
             f"{getattr(cfg.engine, 'name', None)} list several servers in engine.urls and keep parallel.workers=1"
         )
     devices = worker_devices(str(cfg.engine.device), list(cfg.parallel.devices), n, "parallel.devices")
-    out_dir = Path(cfg.output_dir) if cfg.output_dir else default_output_dir(cfg)
+    out_dir = stage_output_dir(cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in out_dir.glob("*.tmp"):  # no worker is running yet
         stale.unlink()
@@ -537,15 +526,15 @@ def run_parallel(cfg) -> dict:
         wcfg.output_dir = str(out_dir)
         cfgs.append(wcfg)
     t0 = time.time()
-    run_workers("eagle3.extract.run_extract", cfgs, "extraction")
+    run_workers("eagle3.extract.run.run_extract", cfgs, "extraction")
     writer = features.FeatureWriter.merge_parts(out_dir, n)
     side: dict = {}
     runs = []
     for w in range(n):
-        part_side = _read_side(out_dir / stats_part_name(w, n))
+        part_side = read_json(out_dir / stats_part_name(w, n), {})
         runs.append(part_side.pop("_run", {}))
         side.update(part_side)
-    features.write_json_atomic(out_dir / STATS_FILE, side)
+    write_json_atomic(out_dir / STATS_FILE, side)
     wall = time.time() - t0
     keys = ("samples", "tokens", "masked_tokens", "generated_tokens", "truncated", "dropped", "resumed_shards")
     this_run = {k: sum(r.get("this_run", {}).get(k, 0) for r in runs) for k in keys}

@@ -1,7 +1,7 @@
 """The train stage: an EAGLE-3 drafter with training-time test, through Accelerate.
 
 ``run_train(cfg)`` reads the extract stage's features folder, builds the draft
-vocabulary from the training split, trains the drafter (:mod:`eagle3.ttt`), writes
+vocabulary from the training split, trains the drafter (:mod:`eagle3.train.ttt`), writes
 validation metrics to ``<output_dir>/metrics.json`` and exports
 ``<output_dir>/export/sglang`` (and ``export/speculators`` where the optional
 ``speculators`` package is installed).
@@ -39,11 +39,13 @@ import torch
 from tqdm.auto import tqdm
 
 from eagle3.devices import resolve_device
-from eagle3.drafter import DrafterArch, Eagle3Drafter
+from eagle3.train.drafter import DrafterArch, Eagle3Drafter
 from eagle3.errors import Eagle3Error
-from eagle3.features import FeatureDataset, sha256_file, write_json_atomic
-from eagle3.ttt import TTTCollator, TTTModel, batch_to, summarize, target_to_draft_index
-from eagle3.vocab import auto_draft_vocab_size, build_draft_vocab, count_label_tokens
+from eagle3.paths import features_dirs, stage_output_dir
+from eagle3.features.store import FeatureDataset
+from eagle3.io import sha256_file, write_json_atomic
+from eagle3.train.ttt import TTTCollator, TTTModel, batch_to, summarize, target_to_draft_index
+from eagle3.train.vocab import auto_draft_vocab_size, build_draft_vocab, count_label_tokens
 
 log = logging.getLogger("eagle3")
 
@@ -52,44 +54,6 @@ KEEP_CHECKPOINTS = 2
 # Settings that may change between a run and its resume (everything else must match).
 RESUMABLE_KEYS = ("loop.grad_accum", "loop.log_every", "loop.save_every", "loop.eval_every", "loop.num_workers", "loop.tracker",
                   "export", "device", "cache_dir", "output_dir")
-
-
-# ------------------------------------------------------------------------ paths
-def default_features_dir(cfg) -> Path:
-    """``data/features/<model.name>/<data.name>`` (the extract stage's default output)."""
-    return Path("data/features") / cfg.model.name / cfg.data.name
-
-
-def _hydra_job_dir() -> Optional[Path]:
-    """The Hydra job's output folder when running a multirun sweep, else None."""
-    try:
-        from hydra.core.hydra_config import HydraConfig
-        from hydra.types import RunMode
-
-        hc = HydraConfig.get()
-        if hc.mode == RunMode.MULTIRUN:
-            return Path(hc.runtime.output_dir)
-    except Exception:  # noqa: BLE001  (not under Hydra)
-        return None
-    return None
-
-
-def resolve_output_dir(cfg) -> Path:
-    """``cfg.output_dir``; else the Hydra job folder in a multirun sweep (one folder per
-    job); else ``data/drafters/<model.name>/<data.name>``."""
-    if cfg.output_dir:
-        return Path(cfg.output_dir)
-    job = _hydra_job_dir()
-    if job is not None:
-        return job
-    return Path("data/drafters") / cfg.model.name / cfg.data.name
-
-
-def features_dirs(cfg) -> list[Path]:
-    """``features_dir`` (comma-separated for several folders) or the default."""
-    if cfg.features_dir:
-        return [Path(p.strip()) for p in str(cfg.features_dir).split(",") if p.strip()]
-    return [default_features_dir(cfg)]
 
 
 # ------------------------------------------------------------------ decisions
@@ -296,7 +260,7 @@ def check_features_match_target(metadata: dict, target: Any, dirs: list[Path]) -
 # ---------------------------------------------------------------- evaluation
 @torch.no_grad()
 def evaluate(accelerator, model: TTTModel, loader, step_weight: float) -> Optional[dict]:
-    """Validation metrics (:func:`eagle3.ttt.summarize`) over ``loader``; None if empty."""
+    """Validation metrics (:func:`eagle3.train.ttt.summarize`) over ``loader``; None if empty."""
     drafter = accelerator.unwrap_model(model).drafter
     was_training = drafter.training
     drafter.eval()
@@ -339,7 +303,7 @@ def run_train(cfg) -> dict:
         Eagle3Error: missing/empty/incompatible features, a features/target mismatch,
             a changed configuration on resume, impossible sizes.
     """
-    from eagle3.models import load_target_embeddings, resolve_target
+    from eagle3.target.models import load_target_embeddings, resolve_target
 
     target = resolve_target(cfg.model, cfg.cache_dir)
     embed, lm_head = load_target_embeddings(cfg.model, cfg.cache_dir)
@@ -376,7 +340,7 @@ def train_drafter(
 
     t_start = time.perf_counter()
     dirs = features_dirs(cfg)
-    output_dir = resolve_output_dir(cfg)
+    output_dir = stage_output_dir(cfg)
     dcfg, ocfg, lcfg = cfg.drafter, cfg.optim, cfg.loop
     if lcfg.grad_accum < 1 or (lcfg.max_tokens_per_batch or 8) < 8 or dcfg.ttt_steps < 1:
         raise Eagle3Error("loop.grad_accum and drafter.ttt_steps must be >= 1, loop.max_tokens_per_batch >= 8")
@@ -650,11 +614,11 @@ def train_drafter(
             final.load_state_dict({k[len("drafter."):]: v for k, v in full.items() if k.startswith("drafter.")})
     if accelerator.is_main_process:
         if cfg.export.sglang:
-            from eagle3.export import export_sglang
+            from eagle3.export.sglang import export_sglang
 
             exports["sglang"] = str(export_sglang(final, output_dir / "export" / "sglang", meta))
         if cfg.export.speculators:
-            from eagle3.export import export_speculators, speculators_available
+            from eagle3.export.sglang import export_speculators, speculators_available
 
             if speculators_available():
                 exports["speculators"] = str(

@@ -15,7 +15,7 @@ embedding and the fused target features (EAGLE-3, Li et al. 2025, arXiv 2503.018
 
 Parameter names follow SGLang's ``LlamaForCausalLMEagle3``
 (``python/sglang/srt/models/llama_eagle3.py``) except that layer 0 is ``layers.0``
-here and ``midlayer`` in an export (see :mod:`eagle3.export`). Rotary embedding,
+here and ``midlayer`` in an export (see :mod:`eagle3.export.sglang`). Rotary embedding,
 RMSNorm, MLP and ``apply_rotary_pos_emb`` are transformers' Llama building blocks;
 attention is ``torch.nn.functional.scaled_dot_product_attention``.
 """

@@ -4,7 +4,7 @@
 
 1. Opens the drafter export (``drafter_dir``, default
    ``data/drafters/<model>/sharegpt/export/sglang``) the way a server does
-   (:func:`eagle3.export.load_sglang_export`: ``config.json``, ``d2t``, aux ids) and
+   (:func:`eagle3.export.sglang.load_sglang_export`: ``config.json``, ``d2t``, aux ids) and
    compares its ``eagle3_meta.json`` with the configured target: a different content
    hash or quantization gives a loud warning (a drafter trained on BF16 features
    meeting an INT4 deployment accepts little); a different chat template is refused.
@@ -13,12 +13,12 @@
    ``data.mtbench_path`` is set; ``data.limit`` prompts each.
 3. ``engine=hf``: for every prompt (every user turn of multi-turn prompts, the history
    carrying the speculative answer), speculative decoding
-   (:class:`eagle3.spec_decode.SpeculativeDecoder`) and the target's own decoding
+   (:class:`eagle3.spec.decoder.SpeculativeDecoder`) and the target's own decoding
    (the baseline, same prefill and KV cache code) on the same rendered prompt, both
    timed with device synchronisation at batch 1 after ``warmup_prompts`` untimed
    prompts. At temperature 0 the two token sequences must be equal (lossless check).
-   ``engine=sglang``: :func:`eagle3.sglang_eval.run_sglang_evaluation`.
-4. Writes the report (:func:`eagle3.report.write_report`) and per-turn records
+   ``engine=sglang``: :func:`eagle3.evaluate.served.run_sglang_evaluation`.
+4. Writes the report (:func:`eagle3.evaluate.report.write_report`) and per-turn records
    (``samples.jsonl``) under ``output_dir`` (default ``data/eval/<model>``; the Hydra
    job folder in a multirun). Each finished benchmark is kept in
    ``output_dir/partial/<name>.json``; the same command run again (e.g. after a time
@@ -42,9 +42,10 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from eagle3.errors import Eagle3Error
-from eagle3.metrics import acceptance_summary, diversity, is_loop, longest_loop, ratio, tokens_per_second
-from eagle3.report import write_report
-from eagle3.spec_decode import (
+from eagle3.paths import stage_output_dir
+from eagle3.evaluate.metrics import acceptance_summary, diversity, is_loop, longest_loop, ratio, tokens_per_second
+from eagle3.evaluate.report import write_report
+from eagle3.spec.decoder import (
     Eagle3Proposer,
     SpecSettings,
     SpeculativeDecoder,
@@ -57,41 +58,6 @@ log = logging.getLogger("eagle3")
 BENCHMARKS = ("gsm8k", "humaneval", "sharegpt", "mtbench")
 SAMPLES_FILE = "samples.jsonl"
 META_FILE = "eagle3_meta.json"
-
-
-# ----------------------------------------------------------------------------- paths
-def _hydra_job() -> tuple[Optional[Path], bool, Optional[str]]:
-    """(job output dir, is multirun, job number) when running under Hydra."""
-    try:
-        from hydra.core.hydra_config import HydraConfig
-        from hydra.types import RunMode
-
-        hc = HydraConfig.get()
-        return Path(hc.runtime.output_dir), hc.mode == RunMode.MULTIRUN, str(hc.job.num)
-    except Exception:  # noqa: BLE001  (not under Hydra)
-        return None, False, None
-
-
-def default_drafter_dir(cfg) -> Path:
-    """``drafter_dir`` or ``data/drafters/<model.name>/sharegpt/export/sglang``."""
-    if cfg.drafter_dir:
-        return Path(cfg.drafter_dir)
-    return Path("data/drafters") / cfg.model.name / "sharegpt" / "export" / "sglang"
-
-
-def resolve_output_dir(cfg) -> Path:
-    """``output_dir``; unset: the Hydra job folder in a multirun, else ``data/eval/<model>``.
-
-    A multirun with ``output_dir`` set writes each job to ``<output_dir>/<job number>``
-    so jobs do not overwrite each other.
-    """
-    job_dir, multirun, num = _hydra_job()
-    if cfg.output_dir:
-        out = Path(cfg.output_dir)
-        return out / num if multirun and num is not None else out
-    if multirun and job_dir is not None:
-        return job_dir
-    return Path("data/eval") / cfg.model.name
 
 
 def benchmark_names(data_cfg) -> list[str]:
@@ -151,9 +117,9 @@ def check_export(meta: dict, target_info, template_hash: Optional[str]) -> list[
 
     Args:
         meta: the export's ``eagle3_meta.json``.
-        target_info: :class:`eagle3.models.TargetInfo` of the configured target (or
+        target_info: :class:`eagle3.target.models.TargetInfo` of the configured target (or
             anything with ``name``, ``content_hash``, ``quantization``).
-        template_hash: :func:`eagle3.chat.chat_template_hash` of the tokenizer that
+        template_hash: :func:`eagle3.target.chat.chat_template_hash` of the tokenizer that
             renders the benchmark prompts (None: not checked).
 
     Raises:
@@ -193,7 +159,7 @@ def load_train_manifest(meta: dict) -> tuple[Optional[dict], list[str]]:
     ``splits`` (sample ids), which :func:`eagle3.prompts.load_benchmark` uses to refuse
     held-out prompts that were trained on.
     """
-    from eagle3.features import load_manifest
+    from eagle3.features.store import load_manifest
 
     dirs = meta.get("features_dir")
     if not dirs:
@@ -330,7 +296,7 @@ def evaluate_hf(
 
     Returns:
         ``(per-benchmark results, turn records, warnings)``; the results hold the
-        report keys (:mod:`eagle3.report`).
+        report keys (:mod:`eagle3.evaluate.report`).
     """
     from tqdm.auto import tqdm
 
@@ -520,25 +486,25 @@ def run_evaluate(cfg) -> dict:
     warnings = [note] if note else []
     if getattr(cfg.engine, "name", "hf") == "hf" and int(cfg.workers) > 1 and cfg.worker is None:
         return run_evaluate_parallel(cfg, settings)
-    drafter_dir = default_drafter_dir(cfg)
+    drafter_dir = Path(cfg.drafter_dir)
     meta = read_export_meta(drafter_dir)
     names = benchmark_names(cfg.data)
-    output_dir = resolve_output_dir(cfg)
+    output_dir = stage_output_dir(cfg)
     output_dir.mkdir(parents=True, exist_ok=True)
     manifest, w = load_train_manifest(meta)
     warnings += w
     engine = getattr(cfg.engine, "name", "hf")
 
     if engine == "sglang":
-        from eagle3.chat import chat_template_hash
-        from eagle3.models import load_tokenizer, resolve_target
+        from eagle3.target.chat import chat_template_hash
+        from eagle3.target.models import load_tokenizer, resolve_target
 
         info = resolve_target(cfg.model, cfg.cache_dir)
         warnings += check_export(meta, info, chat_template_hash(load_tokenizer(cfg.model, cfg.cache_dir, info)))
         for x in warnings:
             log.warning(x)
         benchmarks = load_benchmarks(cfg, names, manifest)
-        from eagle3.sglang_eval import run_sglang_evaluation
+        from eagle3.evaluate.served import run_sglang_evaluation
 
         results = run_sglang_evaluation(cfg, benchmarks, meta, output_dir)
         results["warnings"] = warnings + list(results.get("warnings") or [])
@@ -548,10 +514,10 @@ def run_evaluate(cfg) -> dict:
     if engine != "hf":
         raise Eagle3Error(f"engine '{engine}' cannot evaluate; use engine=hf or engine=sglang")
 
-    from eagle3.chat import chat_template_hash, end_of_turn_ids, render_prompt
+    from eagle3.target.chat import chat_template_hash, end_of_turn_ids, render_prompt
     from eagle3.devices import resolve_device
-    from eagle3.export import load_sglang_export
-    from eagle3.models import load_target
+    from eagle3.export.sglang import load_sglang_export
+    from eagle3.target.models import load_target
 
     device = resolve_device(cfg.engine.device)
     model, tokenizer, info = load_target(cfg.model, cfg.cache_dir, device=str(device),
@@ -659,8 +625,8 @@ def run_evaluate_parallel(cfg, settings: SpecSettings) -> dict:
 
     n = int(cfg.workers)
     devices = worker_devices(str(cfg.engine.device), list(cfg.devices), n, "devices")
-    output_dir = resolve_output_dir(cfg)
-    drafter_dir = default_drafter_dir(cfg)
+    output_dir = stage_output_dir(cfg)
+    drafter_dir = Path(cfg.drafter_dir)
     cfgs = []
     for w, dev in enumerate(devices):
         c = copy.deepcopy(cfg)
@@ -669,7 +635,7 @@ def run_evaluate_parallel(cfg, settings: SpecSettings) -> dict:
         c.drafter_dir = str(drafter_dir)
         cfgs.append(c)
     log.info("evaluate: %d workers on %s", n, ", ".join(devices))
-    run_workers("eagle3.evaluate.run_evaluate", cfgs, "evaluation")
+    run_workers("eagle3.evaluate.run.run_evaluate", cfgs, "evaluation")
     reports = [json.loads((Path(c.output_dir) / "report.json").read_text()) for c in cfgs]
     by_bench: dict[str, list[TurnRecord]] = {}
     for c in cfgs:

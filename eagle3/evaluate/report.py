@@ -1,13 +1,13 @@
 """The evaluation report: ``report.json``, ``report.md``, PNG plots, ``metrics.json``
 and the tau table on the console.
 
-:func:`write_report` takes the results of either engine (``eagle3.evaluate`` for
-``hf``, ``eagle3.sglang_eval`` for ``sglang``): ``{"engine", "benchmarks": {name:
+:func:`write_report` takes the results of either engine (``eagle3.evaluate.run`` for
+``hf``, ``eagle3.evaluate.served`` for ``sglang``): ``{"engine", "benchmarks": {name:
 {acceptance_length, acceptance_rate, verify_passes, generated_tokens,
 per_position_acceptance, tokens_per_s_spec, tokens_per_s_base, speedup,
 lossless_matches, diversity, ...}}, "speculative": {num_steps, topk,
 num_draft_tokens}, "sampling": {...}, "warnings": [...], ...}`` and completes every
-benchmark with ``verdict``/``verdict_notes`` (:func:`eagle3.metrics.verdict`),
+benchmark with ``verdict``/``verdict_notes`` (:func:`eagle3.evaluate.metrics.verdict`),
 ``num_prompts``, ``settings`` and ``max_running_requests`` where missing.
 """
 
@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from eagle3.metrics import verdict
+from eagle3.evaluate.metrics import verdict
 
 log = logging.getLogger("eagle3")
 

@@ -40,6 +40,7 @@ from safetensors.torch import save_file
 from torch.utils.data import Dataset
 
 from eagle3.errors import Eagle3Error
+from eagle3.io import sha256_file, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -137,29 +138,6 @@ def samples_per_shard(shard_size_mb: float, hidden_size: int, top_k: int, tokens
     """How many samples of ``tokens_per_sample`` tokens fill a shard of ``shard_size_mb`` MB."""
     per_sample = max(1.0, tokens_per_sample) * bytes_per_token(hidden_size, top_k)
     return max(1, int(shard_size_mb * 1e6 // per_sample))
-
-
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 24) -> str:
-    """Hex sha256 of a file, read in 16 MiB chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            b = f.read(chunk)
-            if not b:
-                break
-            h.update(b)
-    return h.hexdigest()
-
-
-def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
-    """Write JSON to ``path`` through a temporary file and ``os.replace``."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=False)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _normalise(obj: Any) -> Any:

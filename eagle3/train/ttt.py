@@ -41,7 +41,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from eagle3.drafter import Eagle3Drafter
+from eagle3.train.drafter import Eagle3Drafter
 
 
 # ------------------------------------------------------------------ pure helpers

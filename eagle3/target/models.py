@@ -49,7 +49,7 @@ from typing import Any, Optional
 import torch
 
 from eagle3.errors import Eagle3Error
-from eagle3.layers import resolve_aux_layer_ids
+from eagle3.target.layers import resolve_aux_layer_ids
 
 log = logging.getLogger("eagle3")
 
@@ -61,7 +61,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 class TargetInfo:
     """What the rest of the pipeline needs to know about the served target.
 
-    ``aux_layer_ids`` are HF ``output_hidden_states`` indices (see :mod:`eagle3.layers`),
+    ``aux_layer_ids`` are HF ``output_hidden_states`` indices (see :mod:`eagle3.target.layers`),
     already validated against ``num_layers``. ``path`` is the local HF folder that the
     hf engine loads (``None`` for a hub-only target served remotely). ``content_hash``
     is ``sha256:<hex>`` over the weight files of ``path``, or ``hub:<id>@<revision>``

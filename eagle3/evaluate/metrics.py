@@ -4,7 +4,7 @@ Acceptance (SGLang's definitions, per-request ``meta_info`` fields in brackets):
 
 * acceptance length ``tau`` = tokens emitted by verify passes / verify passes, bonus
   token included (``completion_tokens / spec_verify_ct``; see
-  :mod:`eagle3.spec_decode` for the prefill token, which the hf engine leaves out);
+  :mod:`eagle3.spec.decoder` for the prefill token, which the hf engine leaves out);
 * acceptance rate = accepted drafts / (verify passes x ``num_steps``)
   (``spec_num_correct_drafts / spec_num_proposed_drafts``);
 * accept histogram ``h[j]`` = verify passes that accepted exactly ``j`` drafts

@@ -250,7 +250,7 @@ def _decoder_layers(model) -> torch.nn.ModuleList:
 class TargetRunner:
     """The target as the verifier runs it: forward with a KV cache, aux hidden states by hooks.
 
-    Aux id ``k`` (HF ``output_hidden_states`` convention, see :mod:`eagle3.layers`) is
+    Aux id ``k`` (HF ``output_hidden_states`` convention, see :mod:`eagle3.target.layers`) is
     the residual stream entering decoder layer ``k``, read here as the output of layer
     ``k - 1`` by a forward hook (``k = L`` is the last layer's output before the final
     norm). Only these three layers are hooked; nothing else is retained.
@@ -418,7 +418,7 @@ class Eagle3Proposer(DraftProposer):
     verified prefix and to their own ancestors only (4D bool mask, True = attend).
 
     Args:
-        drafter: an ``eagle3.drafter.Eagle3Drafter`` (``fuse``, ``forward``, ``d2t``).
+        drafter: an ``eagle3.train.drafter.Eagle3Drafter`` (``fuse``, ``forward``, ``d2t``).
         aux_layer_ids: HF-convention ids the drafter was trained on (from its export).
     """
 

@@ -1,0 +1,1 @@
+"""Speculative decoding in process: the target runner, the drafter's proposer, draft trees, acceptance, the decoder."""
