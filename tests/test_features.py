@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from eagle3.errors import Eagle3Error
-from eagle3.features.store import (
+from eagle3.features import (
     Capture,
     FeatureDataset,
     FeatureWriter,

@@ -17,7 +17,7 @@ import torch
 
 import eagle3  # noqa: F401
 from eagle3.config import ModelConfig, SamplingConfig, SGLangEngineConfig
-from eagle3.engines.sglang import engine as sg
+from eagle3.engines import sglang as sg
 from eagle3.errors import Eagle3Error
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -346,7 +346,7 @@ def test_launch_writes_bootstrap_waits_and_captures(fake_sglang_package, monkeyp
         assert conf["architectures"] == ["LlamaForCausalLMEagle3"]
         assert conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # HF [2, 4, 5], llama rule
         assert (boot / "model.safetensors").is_file()
-        from eagle3.export.sglang import load_sglang_export
+        from eagle3.export import load_sglang_export
 
         drafter, meta = load_sglang_export(boot)  # read back as the server would
         assert meta["aux_layer_ids"] == [2, 4, 5] and drafter.arch.target_hidden_size == H
@@ -432,7 +432,7 @@ def test_extract_kimi_against_the_loopback_server(tmp_path):
 
     from eagle3.cli import run_stage
     from eagle3.extract.run import run_extract
-    from eagle3.features.store import FeatureDataset, load_manifest
+    from eagle3.features import FeatureDataset, load_manifest
 
     tokenizer_dir = write_tiny_chat_tokenizer(tmp_path / "tok", V)
     vocab, eos = V, 2

@@ -182,11 +182,11 @@ def test_evaluate_stage_end_to_end_writes_the_hf_report_files(tokenizer_dir, ser
     from hydra import compose, initialize_config_dir
     from transformers import AutoTokenizer
 
-    from eagle3.target.chat import chat_template_hash
+    from eagle3.target import chat_template_hash
     from eagle3.cli import to_typed
     from eagle3.train.drafter import DrafterArch, Eagle3Drafter
     from eagle3.evaluate.run import run_evaluate
-    from eagle3.export.sglang import export_sglang
+    from eagle3.export import export_sglang
 
     export = tmp_path / "export" / "sglang"
     arch = DrafterArch(hidden_size=4, num_attention_heads=2, num_key_value_heads=2, head_dim=4, intermediate_size=8,
@@ -226,7 +226,7 @@ def test_servers_are_launched_in_turn_when_no_urls(tokenizer_dir, tmp_path, monk
     export = tmp_path / "export"
     export.mkdir()
     (export / "config.json").write_text(json.dumps({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}}))
-    from eagle3.engines.sglang.engine import free_port
+    from eagle3.engines.sglang import free_port
 
     cfg = make_cfg(tokenizer_dir, None, None, concurrency=(2,))
     cfg.engine.python = sys.executable

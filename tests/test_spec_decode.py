@@ -482,7 +482,7 @@ class RecordingProposer:
 
 @pytest.mark.parametrize("topk,ndt", [(1, 4), (2, 6)])
 def test_eagle3_drafter_is_lossless_and_its_cache_matches_a_fresh_forward(target, topk, ndt):
-    from eagle3.spec.decoder import Eagle3Proposer
+    from eagle3.spec import Eagle3Proposer
 
     drafter = tiny_drafter(target)
     n = 40
@@ -511,7 +511,7 @@ def test_eagle3_drafter_is_lossless_and_its_cache_matches_a_fresh_forward(target
 
 
 def test_eagle3_tree_steps_equal_chains_along_each_path(target):
-    from eagle3.spec.decoder import Eagle3Proposer
+    from eagle3.spec import Eagle3Proposer
 
     drafter = tiny_drafter(target, seed=1)
     runner = TargetRunner(target, AUX)

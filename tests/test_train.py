@@ -93,7 +93,7 @@ def test_learns_the_toy_task_and_writes_metrics_and_exports(tmp_path):
     assert json.loads((sg / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
     assert list((tmp_path / "o").glob("**/events.out.tfevents*")), "no TensorBoard events"
     # the loaded export drafts the toy rule
-    from eagle3.export.sglang import load_sglang_export
+    from eagle3.export import load_sglang_export
 
     d, _ = load_sglang_export(sg, embed())
     assert d.d2t.shape == (64,)
@@ -129,7 +129,7 @@ def test_hydra_multirun_gives_one_folder_per_job_and_a_summary(tmp_path):
     """``python train.py -m drafter.ttt_steps=1,2`` on a tiny local target."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from eagle3.target.models import resolve_target
+    from eagle3.target import resolve_target
 
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(hidden_size=H, intermediate_size=32, num_hidden_layers=8, num_attention_heads=2,

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from eagle3.errors import Eagle3Error
-from eagle3.features.store import Capture, FeatureWriter, Record
+from eagle3.features import Capture, FeatureWriter, Record
 from eagle3.train.vocab import auto_draft_vocab_size, build_draft_vocab, count_label_tokens
 
 

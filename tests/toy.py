@@ -10,7 +10,7 @@ import torch
 from omegaconf import OmegaConf
 
 from eagle3.config import DataConfig, ModelConfig, TrainConfig
-from eagle3.features.store import Capture, FeatureWriter, Record
+from eagle3.features import Capture, FeatureWriter, Record
 
 H, V, K = 16, 64, 4
 

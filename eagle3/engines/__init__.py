@@ -26,7 +26,7 @@ def build_engine(model_cfg, engine_cfg, cache_dir, run_dir) -> Engine:
         return HFEngine.from_config(model_cfg, engine_cfg, cache_dir, run_dir)
     if name == "sglang":
         try:
-            from eagle3.engines.sglang.engine import SGLangEngine
+            from eagle3.engines.sglang import SGLangEngine
         except ImportError as e:
             raise Eagle3Error(
                 f"SGLang support is missing in this installation ({e}); use engine=hf or install eagle3 with its sglang engine"

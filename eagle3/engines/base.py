@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 from typing import Any
 
-from eagle3.features.store import Capture
+from eagle3.features import Capture
 
 
 class Engine(abc.ABC):

@@ -45,7 +45,7 @@ from eagle3.errors import Eagle3Error
 from eagle3.paths import stage_output_dir
 from eagle3.evaluate.metrics import acceptance_summary, diversity, is_loop, longest_loop, ratio, tokens_per_second
 from eagle3.evaluate.report import write_report
-from eagle3.spec.decoder import (
+from eagle3.spec import (
     Eagle3Proposer,
     SpecSettings,
     SpeculativeDecoder,
@@ -159,7 +159,7 @@ def load_train_manifest(meta: dict) -> tuple[Optional[dict], list[str]]:
     ``splits`` (sample ids), which :func:`eagle3.prompts.load_benchmark` uses to refuse
     held-out prompts that were trained on.
     """
-    from eagle3.features.store import load_manifest
+    from eagle3.features import load_manifest
 
     dirs = meta.get("features_dir")
     if not dirs:
@@ -496,8 +496,8 @@ def run_evaluate(cfg) -> dict:
     engine = getattr(cfg.engine, "name", "hf")
 
     if engine == "sglang":
-        from eagle3.target.chat import chat_template_hash
-        from eagle3.target.models import load_tokenizer, resolve_target
+        from eagle3.target import chat_template_hash
+        from eagle3.target import load_tokenizer, resolve_target
 
         info = resolve_target(cfg.model, cfg.cache_dir)
         warnings += check_export(meta, info, chat_template_hash(load_tokenizer(cfg.model, cfg.cache_dir, info)))
@@ -514,10 +514,10 @@ def run_evaluate(cfg) -> dict:
     if engine != "hf":
         raise Eagle3Error(f"engine '{engine}' cannot evaluate; use engine=hf or engine=sglang")
 
-    from eagle3.target.chat import chat_template_hash, end_of_turn_ids, render_prompt
+    from eagle3.target import chat_template_hash, end_of_turn_ids, render_prompt
     from eagle3.devices import resolve_device
-    from eagle3.export.sglang import load_sglang_export
-    from eagle3.target.models import load_target
+    from eagle3.export import load_sglang_export
+    from eagle3.target import load_target
 
     device = resolve_device(cfg.engine.device)
     model, tokenizer, info = load_target(cfg.model, cfg.cache_dir, device=str(device),

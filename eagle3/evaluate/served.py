@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from eagle3.evaluate import metrics
-from eagle3.engines.sglang import engine as sg
+from eagle3.engines import sglang as sg
 from eagle3.errors import Eagle3Error
 
 log = logging.getLogger(__name__)
@@ -147,7 +147,7 @@ def _messages(sample: dict) -> list[dict]:
 def run_conversation(client: sg.SGLangClient, tokenizer, sample: dict, benchmark: str, sampling: dict) -> list[RequestRecord]:
     """Send every user turn of ``sample`` in order (later turns carry the decoded
     earlier answers); one :class:`RequestRecord` per turn."""
-    from eagle3.target.chat import render_prompt
+    from eagle3.target import render_prompt
 
     history: list[dict] = []
     records = []
@@ -260,7 +260,7 @@ def open_server(role: str, cfg: Any, run_dir: Path) -> Server:
                 raise Eagle3Error(f"no SGLang drafter export at {d}; train one first or set drafter_dir=<export/sglang folder>")
             spec = {"draft_model_path": str(d.resolve()), "num_steps": cfg.speculative.num_steps,
                     "topk": cfg.speculative.topk, "num_draft_tokens": cfg.speculative.num_draft_tokens}
-        from eagle3.target.models import resolve_target
+        from eagle3.target import resolve_target
 
         model_path = sg.resolve_model_path(cfg.model, {"path": resolve_target(cfg.model, cfg.cache_dir).path})
         launched, cmd = sg.launch_server(cfg.model, e, model_path=model_path, run_dir=run_dir, name=role, speculative=spec)
@@ -514,7 +514,7 @@ def run_sglang_evaluation(cfg: Any, benchmarks: dict, export_meta: dict, output_
         Eagle3Error: servers missing / unreachable / misconfigured, or a request that
             keeps failing.
     """
-    from eagle3.target.models import load_tokenizer
+    from eagle3.target import load_tokenizer
 
     out_dir = Path(output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

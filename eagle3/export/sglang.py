@@ -46,7 +46,7 @@ from safetensors.torch import save_file
 from eagle3.train.drafter import DrafterArch, Eagle3Drafter
 from eagle3.errors import Eagle3Error
 from eagle3.io import replace_dir
-from eagle3.target.layers import from_sglang_ids, to_sglang_ids
+from eagle3.target import from_sglang_ids, to_sglang_ids
 
 SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
 META_FILE = "eagle3_meta.json"

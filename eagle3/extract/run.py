@@ -153,7 +153,7 @@ def regenerate(engine, tokenizer, conversations: list[tuple[str, list[dict]]], s
         ``stats["cut"]`` lists conversations stopped before their last user turn and
         ``stats["generated_by_id"]`` the generated tokens per sample.
     """
-    from eagle3.target.chat import render_prompt
+    from eagle3.target import render_prompt
 
     convs = []
     for sid, msgs in conversations:
@@ -208,7 +208,7 @@ def regenerate(engine, tokenizer, conversations: list[tuple[str, list[dict]]], s
 
 # ------------------------------------------------------------------------ stage
 def _metadata(cfg, target, engine, tokenizer) -> dict:
-    from eagle3.target.chat import chat_template_hash
+    from eagle3.target import chat_template_hash
 
     d = cfg.data
     return {
@@ -248,7 +248,7 @@ def _estimate_tokens(tokenizer, rows: list[list[dict]], cfg) -> tuple[list[int],
     """Per conversation: rendered user/system turns + one reply of max_new_tokens per user
     turn (or the original replies when not regenerating), capped at max_length; and the
     number of conversations whose first prompt alone reaches max_length."""
-    from eagle3.target.chat import render_prompt
+    from eagle3.target import render_prompt
 
     est, too_long = [], 0
     max_length = int(cfg.capture.max_length)
@@ -284,10 +284,10 @@ def run_extract(cfg) -> dict:
             server/tokenizer, layer ids out of range, too little disk, a folder holding
             another extraction); nothing is written before the preflight passes.
     """
-    from eagle3.features import store as features
-    from eagle3.target.chat import render_conversation
+    from eagle3 import features
+    from eagle3.target import render_conversation
     from eagle3.engines import build_engine
-    from eagle3.target.models import load_tokenizer, resolve_target
+    from eagle3.target import load_tokenizer, resolve_target
     from eagle3.prompts import load_conversations, select_for_extraction
 
     t_start = time.time()
@@ -501,8 +501,8 @@ def run_parallel(cfg) -> dict:
     """
     import copy
 
-    from eagle3.features import store as features
-    from eagle3.target.models import resolve_target
+    from eagle3 import features
+    from eagle3.target import resolve_target
     from eagle3.workers import run_workers, worker_devices
 
     n = int(cfg.parallel.workers)

@@ -1,1 +1,36 @@
 """The target as it is served: model sources, the bf16 / INT4 builds, loading, content hash, aux-layer conventions, chat templates."""
+
+from __future__ import annotations
+
+from eagle3.target.chat import (  # noqa: F401
+    ROLES,
+    validate_messages,
+    render_prompt,
+    chat_template_hash,
+    end_of_turn_ids,
+    render_conversation,
+)
+from eagle3.target.layers import (  # noqa: F401
+    ARCHITECTURES,
+    default_aux_layer_ids,
+    resolve_aux_layer_ids,
+    sglang_captured_ids,
+    to_sglang_ids,
+    from_sglang_ids,
+)
+from eagle3.target.models import (  # noqa: F401
+    WEIGHT_SUFFIXES,
+    DTYPES,
+    TargetInfo,
+    locate_package_file,
+    dense_folder_name,
+    quantized_folder_name,
+    w4a16_quantization_config,
+    quantize_w4a16_,
+    content_hash,
+    target_folder,
+    resolve_target,
+    load_tokenizer,
+    load_target,
+    load_target_embeddings,
+)

@@ -42,7 +42,7 @@ from eagle3.devices import resolve_device
 from eagle3.train.drafter import DrafterArch, Eagle3Drafter
 from eagle3.errors import Eagle3Error
 from eagle3.paths import features_dirs, stage_output_dir
-from eagle3.features.store import FeatureDataset
+from eagle3.features import FeatureDataset
 from eagle3.io import sha256_file, write_json_atomic
 from eagle3.train.ttt import TTTCollator, TTTModel, batch_to, summarize, target_to_draft_index
 from eagle3.train.vocab import auto_draft_vocab_size, build_draft_vocab, count_label_tokens
@@ -303,7 +303,7 @@ def run_train(cfg) -> dict:
         Eagle3Error: missing/empty/incompatible features, a features/target mismatch,
             a changed configuration on resume, impossible sizes.
     """
-    from eagle3.target.models import load_target_embeddings, resolve_target
+    from eagle3.target import load_target_embeddings, resolve_target
 
     target = resolve_target(cfg.model, cfg.cache_dir)
     embed, lm_head = load_target_embeddings(cfg.model, cfg.cache_dir)
@@ -614,11 +614,11 @@ def train_drafter(
             final.load_state_dict({k[len("drafter."):]: v for k, v in full.items() if k.startswith("drafter.")})
     if accelerator.is_main_process:
         if cfg.export.sglang:
-            from eagle3.export.sglang import export_sglang
+            from eagle3.export import export_sglang
 
             exports["sglang"] = str(export_sglang(final, output_dir / "export" / "sglang", meta))
         if cfg.export.speculators:
-            from eagle3.export.sglang import export_speculators, speculators_available
+            from eagle3.export import export_speculators, speculators_available
 
             if speculators_available():
                 exports["speculators"] = str(

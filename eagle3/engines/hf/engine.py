@@ -29,12 +29,12 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from eagle3.target.chat import end_of_turn_ids
+from eagle3.target import end_of_turn_ids
 from eagle3.engines.base import Engine
 from eagle3.errors import Eagle3Error
-from eagle3.features.store import Capture
+from eagle3.features import Capture
 from eagle3.devices import resolve_device
-from eagle3.target.models import TargetInfo, load_target
+from eagle3.target import TargetInfo, load_target
 
 log = logging.getLogger("eagle3")
 

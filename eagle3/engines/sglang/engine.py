@@ -70,8 +70,8 @@ from typing import Any, Callable, Sequence, TypeVar
 import torch
 
 from eagle3.errors import Eagle3Error
-from eagle3.features.store import Capture
-from eagle3.target.layers import to_sglang_ids
+from eagle3.features import Capture
+from eagle3.target import to_sglang_ids
 
 try:  # the shared interface; a structural stand-in keeps this module importable alone
     from eagle3.engines.base import Engine
@@ -993,7 +993,7 @@ def resolve_model_path(model_cfg: Any, dims: dict) -> str:
 def _target_dims(model_cfg: Any, cache_dir: str | os.PathLike) -> dict:
     """Target sizes, aux ids and local folder from ``eagle3.target.models.resolve_target``
     (for a hub-only target such as Kimi these come from the model config alone)."""
-    from eagle3.target.models import resolve_target
+    from eagle3.target import resolve_target
 
     info = resolve_target(model_cfg, cache_dir)
     dims = {k: getattr(info, k, None) for k in (
@@ -1038,7 +1038,7 @@ def write_bootstrap_drafter(out_dir: Path, arch: dict, aux_layer_ids: list[int],
     torch.manual_seed(seed)
     try:
         from eagle3.train.drafter import DrafterArch, Eagle3Drafter
-        from eagle3.export.sglang import export_sglang
+        from eagle3.export import export_sglang
     except ImportError:  # pragma: no cover - only without the train modules
         export_sglang = None  # type: ignore[assignment]
     meta = dict(meta, aux_layer_ids=list(aux_layer_ids))
@@ -1138,7 +1138,7 @@ def read_draft_aux_ids(draft_path: str | None, architecture: str) -> list[int] |
     local folder with ``config.json``), or None when it cannot be read from here."""
     if not draft_path or not os.path.isfile(os.path.join(draft_path, "config.json")):
         return None
-    from eagle3.target.layers import from_sglang_ids
+    from eagle3.target import from_sglang_ids
 
     cfg = json.loads(Path(draft_path, "config.json").read_text())
     ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
