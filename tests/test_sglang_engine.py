@@ -385,6 +385,57 @@ def test_launch_refuses_a_flag_the_server_lacks(fake_sglang_package):
         sg.SGLangEngine.from_config(model_cfg(), cfg, tmp / "cache", tmp / "run")
 
 
+@pytest.mark.parametrize("tp,family,sglang_ids", [(1, "llama", [2, 3, 4]), (8, "deepseek_v2", [3, 4, 5])])
+def test_bootstrap_drafter_has_the_config_and_tensors_sglang_loads(tmp_path, tp, family, sglang_ids):
+    """The bootstrap drafter goes through the SGLang exporter: ``LlamaForCausalLMEagle3``
+    config fields, and exactly the tensors (names, shapes, dtypes) of SGLang's loader."""
+    import json
+
+    from safetensors import safe_open
+
+    dims = {"hidden_size": H, "vocab_size": 5000, "rms_norm_eps": 1e-5, "rope_theta": 5e5,
+            "max_position_embeddings": 4096}
+    arch = sg.bootstrap_arch(dims, tp)
+    boot = sg.write_bootstrap_drafter(tmp_path / "boot", arch, [3, 4, 5], family, {"purpose": "test"})  # HF ids
+    nh, hd, inter, Vd = arch["num_attention_heads"], arch["head_dim"], arch["intermediate_size"], sg.BOOTSTRAP_DRAFT_VOCAB
+    assert nh % tp == 0 and nh >= 8 and inter % tp == 0 and arch["draft_vocab_size"] == Vd
+    conf = json.loads((boot / "config.json").read_text())
+    want = {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": H, "target_hidden_size": H,
+        "num_attention_heads": nh, "num_key_value_heads": nh, "head_dim": hd, "intermediate_size": inter,
+        "num_hidden_layers": 1, "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 5e5,
+        "max_position_embeddings": 4096, "vocab_size": 5000, "draft_vocab_size": Vd, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": sglang_ids, "use_aux_hidden_state": True},
+    }
+    assert {k: conf.get(k) for k in want} == want
+    bf16 = "torch.bfloat16"
+    shapes = {
+        "fc.weight": ([H, 3 * H], bf16),
+        "midlayer.hidden_norm.weight": ([H], bf16),
+        "midlayer.input_layernorm.weight": ([H], bf16),
+        "midlayer.post_attention_layernorm.weight": ([H], bf16),
+        "midlayer.self_attn.q_proj.weight": ([nh * hd, 2 * H], bf16),
+        "midlayer.self_attn.k_proj.weight": ([nh * hd, 2 * H], bf16),
+        "midlayer.self_attn.v_proj.weight": ([nh * hd, 2 * H], bf16),
+        "midlayer.self_attn.o_proj.weight": ([H, nh * hd], bf16),
+        "midlayer.mlp.gate_proj.weight": ([inter, H], bf16),
+        "midlayer.mlp.up_proj.weight": ([inter, H], bf16),
+        "midlayer.mlp.down_proj.weight": ([H, inter], bf16),
+        "norm.weight": ([H], bf16),
+        "lm_head.weight": ([Vd, H], bf16),
+        "d2t": ([Vd], "torch.int64"),
+        "t2d": ([5000], "torch.bool"),
+    }  # no embed_tokens.weight: H is the target's, so SGLang shares the target's table
+    with safe_open(str(boot / "model.safetensors"), framework="pt") as f:
+        got = {k: (list(f.get_tensor(k).shape), str(f.get_tensor(k).dtype)) for k in f.keys()}
+        assert torch.equal(f.get_tensor("d2t"), torch.zeros(Vd, dtype=torch.int64))  # draft id i is target id i
+        assert torch.equal(f.get_tensor("t2d"), torch.arange(5000) < Vd)
+    assert got == shapes
+    meta = json.loads((boot / "eagle3_meta.json").read_text())
+    assert meta["aux_layer_ids"] == [3, 4, 5] and meta["target"]["architecture"] == family
+
+
 def test_cli_prints_the_capture_command_with_a_bootstrap_drafter(tmp_path, capsys):
     rc = sg.main(["capture", "model=kimi-k25-int4", "model.hidden_size=8", "model.vocab_size=512",
                   f"cache_dir={tmp_path}", "engine.port=31000", f"engine.python={sys.executable}"])
@@ -400,6 +451,24 @@ def test_cli_prints_the_capture_command_with_a_bootstrap_drafter(tmp_path, capsy
     line = out.out.strip()
     assert line.startswith(f"{sys.executable} -m sglang.launch_server --model-path moonshotai/Kimi-K2.5 --tp 8")
     assert f"--speculative-draft-model-path {Path(boot).resolve()}" in line and "--port 31000" in line
+
+
+def test_package_runs_as_the_cli(tmp_path):
+    """``python -m eagle3.engines.sglang baseline ...`` prints the command (from any folder)."""
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run(
+        [sys.executable, "-W", "error::RuntimeWarning", "-m", "eagle3.engines.sglang", "baseline",
+         "model=kimi-k25-int4", "engine.python=/no/python", "engine.port=31001"],
+        capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(root)},
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    line = r.stdout.strip()
+    assert line.startswith("/no/python -m sglang.launch_server --model-path moonshotai/Kimi-K2.5 --tp 8")
+    assert "--port 31001" in line and "--speculative-algorithm" not in line
 
 
 # ------------------------------------------------------------------ the extract stage end to end

@@ -1,4 +1,4 @@
-"""Export a trained drafter for SGLang (and vLLM through ``speculators``); read it back.
+"""Export a trained drafter in SGLang's EAGLE-3 format; read it back.
 
 SGLang format (``<output_dir>/export/sglang/``), as read by SGLang's
 ``LlamaForCausalLMEagle3`` (``python/sglang/srt/models/llama_eagle3.py``):
@@ -25,17 +25,13 @@ SGLang loads exactly one EAGLE-3 layer as ``midlayer`` (its optional
 ``additional_layers`` use another residual wiring), so only ``num_layers == 1``
 drafters are exported for it.
 
-The speculators format (``export/speculators/``, read by vLLM) is written by the
-``speculators`` library itself (``Eagle3DraftModel.save_pretrained``); its aux ids
-are HF ``output_hidden_states`` indices.
+The vLLM format is :mod:`eagle3.export.speculators`.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Optional
 
@@ -45,24 +41,25 @@ from safetensors.torch import save_file
 
 from eagle3.train.drafter import DrafterArch, Eagle3Drafter
 from eagle3.errors import Eagle3Error
+from eagle3.export.files import DTYPES, META_FILE, dtype_name, staging_dir, write_json
 from eagle3.io import replace_dir
 from eagle3.target import from_sglang_ids, to_sglang_ids
 
 SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
-META_FILE = "eagle3_meta.json"
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return {v: k for k, v in DTYPES.items()}[dtype]
-
-
-def _write_json(path: Path, obj) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
 def sglang_config(arch: DrafterArch, sglang_aux_ids: list[int], dtype: torch.dtype) -> dict:
-    """The ``config.json`` SGLang reads for an EAGLE-3 drafter of these sizes."""
+    """The ``config.json`` SGLang reads for an EAGLE-3 drafter of these sizes.
+
+    Args:
+        arch: the drafter's sizes.
+        sglang_aux_ids: the 3 aux layer ids in SGLang's convention for the target's
+            architecture (:func:`eagle3.target.layers.to_sglang_ids`).
+        dtype: weight dtype on disk, written as ``torch_dtype``.
+
+    Raises:
+        KeyError: ``dtype`` is not one of :data:`~eagle3.export.files.DTYPES`.
+    """
     return {
         "architectures": [SGLANG_ARCHITECTURE],
         "model_type": "llama",
@@ -83,7 +80,7 @@ def sglang_config(arch: DrafterArch, sglang_aux_ids: list[int], dtype: torch.dty
         "vocab_size": arch.vocab_size,
         "draft_vocab_size": arch.draft_vocab_size,
         "target_hidden_size": arch.target_hidden_size,
-        "torch_dtype": _dtype_name(dtype),
+        "torch_dtype": dtype_name(dtype),
         "eagle_config": {
             "eagle_aux_hidden_state_layer_ids": list(sglang_aux_ids),
             "use_aux_hidden_state": True,
@@ -92,7 +89,13 @@ def sglang_config(arch: DrafterArch, sglang_aux_ids: list[int], dtype: torch.dty
 
 
 def sglang_state_dict(drafter: Eagle3Drafter, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Tensors of the SGLang checkpoint, named as SGLang's loader expects."""
+    """Tensors of the SGLang checkpoint, named as SGLang's loader expects.
+
+    ``layers.0.*`` becomes ``midlayer.*``; ``rotary_emb.*`` is left out, and so is
+    ``embed_tokens.weight`` when the drafter shares the target's table. Floating tensors
+    are cast to ``dtype``; ``d2t [Vd]`` int64 and ``t2d [V]`` bool keep theirs. All are
+    contiguous CPU tensors.
+    """
     out: dict[str, torch.Tensor] = {}
     for name, t in drafter.state_dict().items():
         if name.startswith("rotary_emb."):
@@ -136,19 +139,17 @@ def export_sglang(drafter: Eagle3Drafter, out_dir: str | os.PathLike, meta: dict
     if not aux or len(aux) != 3 or not family:
         raise Eagle3Error("export metadata needs aux_layer_ids (3 HF ids) and target.architecture")
     sg_ids = to_sglang_ids(list(aux), family)
-    tmp = out.with_name(out.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    tmp = staging_dir(out)
     tmp.mkdir(parents=True)
     save_file(sglang_state_dict(drafter, dtype), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    _write_json(tmp / "config.json", sglang_config(arch, sg_ids, dtype))
+    write_json(tmp / "config.json", sglang_config(arch, sg_ids, dtype))
     full_meta = dict(meta)
     full_meta.update(
         aux_layer_ids=list(aux),
         sglang_aux_layer_ids=sg_ids,
         draft_vocab_size=arch.draft_vocab_size,
     )
-    _write_json(tmp / META_FILE, full_meta)
+    write_json(tmp / META_FILE, full_meta)
     replace_dir(tmp, out)
     return out
 
@@ -256,81 +257,3 @@ def load_sglang_export(export_dir: str | os.PathLike, embed_tokens: Optional[tor
             )
         meta["aux_layer_ids"] = captured
     return drafter.to(device=device, dtype=dtype or stored).eval(), meta
-
-
-# --------------------------------------------------------------------------- vLLM
-def speculators_available() -> bool:
-    """True when the optional ``speculators`` package imports."""
-    try:
-        import speculators.models.eagle3  # noqa: F401
-    except Exception:  # noqa: BLE001  (a broken optional install counts as absent)
-        return False
-    return True
-
-
-def to_speculators_model(drafter: Eagle3Drafter, meta: dict, ttt_steps: int):
-    """The drafter as a ``speculators`` ``Eagle3DraftModel`` with the same weights.
-
-    Aux ids are written in HF convention (speculators' own); the verifier is recorded
-    by ``meta['target']['path']`` or name and ``architectures``.
-    """
-    from transformers import LlamaConfig
-    from speculators.config import SpeculatorsConfig, VerifierConfig
-    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
-    from speculators.proposals.greedy import GreedyTokenProposalConfig
-
-    a = drafter.arch
-    if not a.shares_target_embeddings:
-        raise Eagle3Error("the speculators format needs hidden_size == the target's hidden size")
-    lc = LlamaConfig(
-        hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
-        num_attention_heads=a.num_attention_heads, num_key_value_heads=a.num_key_value_heads,
-        head_dim=a.head_dim, num_hidden_layers=a.num_layers, vocab_size=a.vocab_size,
-        rms_norm_eps=a.rms_norm_eps, rope_theta=a.rope_theta, max_position_embeddings=a.max_position_embeddings,
-        tie_word_embeddings=False,
-    )
-    lc._attn_implementation = "sdpa"
-    target = meta.get("target") or {}
-    cfg = Eagle3SpeculatorConfig(
-        transformer_layer_config=lc,
-        draft_vocab_size=a.draft_vocab_size,
-        target_hidden_size=a.target_hidden_size,
-        eagle_aux_hidden_state_layer_ids=list(meta["aux_layer_ids"]),
-        speculators_config=SpeculatorsConfig(
-            algorithm="eagle3",
-            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=int(ttt_steps))],
-            default_proposal_method="greedy",
-            verifier=VerifierConfig(
-                name_or_path=target.get("path") or target.get("name"),
-                architectures=list(target.get("hf_architectures") or ["LlamaForCausalLM"]),
-            ),
-        ),
-    )
-    model = Eagle3DraftModel(cfg)
-    sd = {k: v for k, v in drafter.state_dict().items() if not k.startswith("rotary_emb.")}
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    missing = set(missing) - {"verifier_lm_head.weight", "verifier_norm.weight"}
-    if missing or unexpected:
-        raise Eagle3Error(f"speculators Eagle3DraftModel does not fit this drafter: missing {sorted(missing)}, "
-                          f"unexpected {sorted(unexpected)}")
-    return model
-
-
-def export_speculators(drafter: Eagle3Drafter, out_dir: str | os.PathLike, meta: dict, ttt_steps: int,
-                       dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write the vLLM (speculators) format through ``speculators`` (atomically).
-
-    Raises:
-        Eagle3Error: ``speculators`` is not installed (``pip install speculators``).
-    """
-    if not speculators_available():
-        raise Eagle3Error("the speculators export needs the optional package: pip install 'eagle3[speculators]'")
-    out = Path(out_dir)
-    tmp = out.with_name(out.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    model = to_speculators_model(copy.deepcopy(drafter).float().cpu(), meta, ttt_steps).to(dtype)
-    model.save_pretrained(str(tmp))
-    _write_json(tmp / META_FILE, dict(meta, draft_vocab_size=drafter.arch.draft_vocab_size))
-    replace_dir(tmp, out)
-    return out
