@@ -9,13 +9,12 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3.errors import Eagle3Error
-from eagle3.spec.decoder import (
+from eagle3.spec import (
     DraftProposer,
     DraftTree,
     SpecSettings,
     SpeculativeDecoder,
     TargetRunner,
-    _compact_cache,
     accept_chain_sampling,
     accept_greedy,
     accept_tree_sampling,
@@ -24,6 +23,7 @@ from eagle3.spec.decoder import (
     target_probs,
     tree_ancestors,
 )
+from eagle3.spec.target import _compact_cache
 
 V = 96
 
