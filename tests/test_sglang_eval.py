@@ -17,6 +17,9 @@ import eagle3  # noqa: F401
 from eagle3.config import BenchmarksConfig, EvaluateConfig, ModelConfig, SGLangEngineConfig, SpeculativeConfig
 from eagle3.errors import Eagle3Error
 from eagle3.evaluate import served as se
+from eagle3.evaluate.served_measures import RequestRecord, padded_histogram, percentiles_ms
+from eagle3.evaluate.served_results import PLOT_NAME, REQUESTS_NAME
+from eagle3.evaluate.servers import cap_warnings
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fake_sglang import FakeConfig, FakeSGLang, response_length, spec_passes, write_tiny_chat_tokenizer  # noqa: E402
@@ -111,9 +114,9 @@ def test_sweep_reports_tau_throughput_and_plot(tokenizer_dir, servers, tmp_path)
                                                                (hist[2] + hist[3]) / total, hist[3] / total])
     # the speculative fake needs fewer steps per token: it must come out faster
     assert res["concurrency"][0]["speedup"] > 1.2
-    png = tmp_path / se.PLOT_NAME
+    png = tmp_path / PLOT_NAME
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    lines = (tmp_path / se.REQUESTS_NAME).read_text().splitlines()
+    lines = (tmp_path / REQUESTS_NAME).read_text().splitlines()
     assert len(lines) == 2 * 2 * 12
     assert res["servers"]["speculative"]["effective"]["speculative_algorithm"] == "EAGLE3"
 
@@ -166,13 +169,13 @@ def test_no_servers_and_no_sglang(tokenizer_dir, tmp_path):
 
 
 def test_measure_helpers_by_hand():
-    p = se.percentiles_ms([0.001, 0.002, 0.003, 0.004])
+    p = percentiles_ms([0.001, 0.002, 0.003, 0.004])
     assert p["mean"] == pytest.approx(2.5) and p["p50"] == pytest.approx(2.5) and p["p90"] == pytest.approx(3.7)
-    assert se.padded_histogram([5, 3], 3) == [5, 3, 0, 0] and se.padded_histogram([5, 3, 2, 1], 3) == [5, 3, 2, 1]
-    r = se.RequestRecord("b", "s", 0, 10, 5, ttft_s=0.1, latency_s=0.5, output_ids=[])
+    assert padded_histogram([5, 3], 3) == [5, 3, 0, 0] and padded_histogram([5, 3, 2, 1], 3) == [5, 3, 2, 1]
+    r = RequestRecord("b", "s", 0, 10, 5, ttft_s=0.1, latency_s=0.5, output_ids=[])
     assert r.tpot_s == pytest.approx(0.1)
-    assert se.cap_warnings("speculative", {"max_running_requests": 48, "effective_max_running_requests": 48,
-                                           "cuda_graph_max_bs": 48}, [1, 32, 64, 128])[0].count("[64, 128]") == 1
+    assert cap_warnings("speculative", {"max_running_requests": 48, "effective_max_running_requests": 48,
+                                        "cuda_graph_max_bs": 48}, [1, 32, 64, 128])[0].count("[64, 128]") == 1
 
 
 def test_evaluate_stage_end_to_end_writes_the_hf_report_files(tokenizer_dir, servers, tmp_path):
@@ -207,12 +210,12 @@ def test_evaluate_stage_end_to_end_writes_the_hf_report_files(tokenizer_dir, ser
     res = run_evaluate(cfg)
     out = tmp_path / "eval"
     for f in ("report.json", "report.md", "metrics.json", "per_position_acceptance.png", "acceptance_length.png",
-              se.PLOT_NAME, se.REQUESTS_NAME):
+              PLOT_NAME, REQUESTS_NAME):
         assert (out / f).is_file(), f
     rep = json.loads((out / "report.json").read_text())
     g = rep["benchmarks"]["gsm8k"]
     assert g["num_prompts"] == 3 and "verdict" in g and [r["concurrency"] for r in g["concurrency"]] == [1, 2]
-    assert rep["engine"] == "sglang" and res["plots"]["throughput_vs_concurrency"] == se.PLOT_NAME
+    assert rep["engine"] == "sglang" and res["plots"]["throughput_vs_concurrency"] == PLOT_NAME
     assert "Throughput versus concurrency" in (out / "report.md").read_text()
 
 

@@ -168,10 +168,12 @@ def diversity(outputs: Sequence[Sequence[int]]) -> dict:
 
 # ----------------------------------------------------------------------------- throughput
 def tokens_per_second(tokens: int, seconds: float) -> Optional[float]:
+    """``tokens / seconds`` (None without measured time)."""
     return tokens / seconds if seconds > 0 else None
 
 
 def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    """``a / b`` (None when either is missing or ``b`` is 0), e.g. a speed-up."""
     return a / b if a is not None and b else None
 
 

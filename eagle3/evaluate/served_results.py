@@ -1,0 +1,187 @@
+"""The results of a served evaluation: the report dict, the throughput plot, the request log.
+
+:func:`build_results` turns the two servers' sweeps into the report's results: per
+benchmark the hf report's keys measured at the lowest concurrency plus a ``concurrency``
+table (speed-up = speculative output tokens/s / baseline output tokens/s at the same
+concurrency), and the same table pooled over benchmarks. :func:`plot_throughput` draws
+that pooled table; :func:`write_request_log` keeps every measured request.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from eagle3.evaluate.metrics import diversity, ratio
+from eagle3.evaluate.served_measures import RequestRecord, summarize
+from eagle3.evaluate.servers import ROLES
+
+PLOT_NAME = "throughput_vs_concurrency.png"
+REQUESTS_NAME = "sglang_requests.jsonl"
+
+#: ``{role: {concurrency: {benchmark: (records, wall seconds)}}}``, as swept
+Runs = dict[str, dict[int, dict[str, tuple[list[RequestRecord], float]]]]
+
+
+def _headline(concurrency: list[int]) -> int:
+    return min(concurrency)
+
+
+def build_results(
+    runs: Runs,
+    servers: dict[str, dict],
+    cfg: Any,
+    warnings: list[str],
+) -> dict:
+    """Per-benchmark results (the hf report's keys, from the lowest concurrency) plus
+    a ``concurrency`` table per benchmark and aggregated over benchmarks.
+
+    Args:
+        runs: both servers' sweeps (:func:`eagle3.evaluate.served_sweeps.sweep_server`).
+        servers: ``{role: Server.describe()}`` (the speculative server's effective
+            ``speculative_*`` settings win over the configured ones).
+        cfg: the ``EvaluateConfig`` (``concurrency``, ``speculative``, sampling).
+        warnings: kept as the results' ``warnings``.
+    """
+    conc = sorted(int(c) for c in cfg.concurrency)
+    head = _headline(conc)
+    eff_spec = servers["speculative"]["effective"]
+    depth = eff_spec.get("speculative_num_steps") or cfg.speculative.num_steps
+    names = list(next(iter(runs["speculative"].values())).keys())
+    benchmarks = {name: _benchmark_result(runs, name, conc, head, depth) for name in names}
+    return {
+        "engine": "sglang",
+        "benchmarks": benchmarks,
+        "concurrency": _pooled_table(runs, names, conc, depth),
+        "servers": servers,
+        "speculative": {
+            "num_steps": eff_spec.get("speculative_num_steps", cfg.speculative.num_steps),
+            "topk": eff_spec.get("speculative_eagle_topk", cfg.speculative.topk),
+            "num_draft_tokens": eff_spec.get("speculative_num_draft_tokens", cfg.speculative.num_draft_tokens),
+        },
+        "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens},
+        "warnings": warnings,
+        "plots": {"throughput_vs_concurrency": PLOT_NAME},
+    }
+
+
+def _benchmark_result(runs: Runs, name: str, conc: list[int], head: int, depth: int) -> dict:
+    """One benchmark's report entry: its concurrency table and the headline row's keys."""
+    table = []
+    for c in conc:
+        base = summarize(*runs["baseline"][c][name])
+        spec = summarize(*runs["speculative"][c][name], positions=depth)
+        n_jobs = len({r.sample_id for r in runs["speculative"][c][name][0]})
+        table.append({
+            "concurrency": c,
+            "effective_concurrency": min(c, n_jobs),
+            "baseline": base,
+            "speculative": spec,
+            "speedup": ratio(spec["output_tokens_per_s"], base["output_tokens_per_s"]),
+        })
+    row = table[conc.index(head)]
+    spec, base = row["speculative"], row["baseline"]
+    recs = runs["speculative"][head][name][0]
+    return {
+        "num_prompts": len({r.sample_id for r in recs}),
+        "num_turns": spec["requests"],
+        "requests": spec["requests"],
+        "acceptance_length": spec.get("acceptance_length"),
+        "acceptance_length_verify_only": spec.get("acceptance_length_verify_only"),
+        "acceptance_length_non_looping": spec.get("acceptance_length_non_looping"),
+        "acceptance_rate": spec.get("acceptance_rate"),
+        "verify_passes": spec.get("verify_passes"),
+        "generated_tokens": spec["output_tokens"],
+        "accepted_drafts": spec.get("accepted_drafts"),
+        "proposed_drafts": spec.get("proposed_drafts"),
+        "accept_histogram": spec.get("accept_histogram"),
+        "per_position_acceptance": spec.get("per_position_acceptance"),
+        "conditional_acceptance": spec.get("conditional_acceptance"),
+        "tokens_per_s_spec": spec["output_tokens_per_s"],
+        "tokens_per_s_base": base["output_tokens_per_s"],
+        "speedup": row["speedup"],
+        "lossless_matches": None,
+        "lossless_checked": None,
+        "diversity": diversity([r.output_ids for r in recs]),
+        "output_tokens_spec": spec["output_tokens"],
+        "output_tokens_base": base["output_tokens"],
+        "ttft_ms_spec": spec["ttft_ms"],
+        "tpot_ms_spec": spec["tpot_ms"],
+        "ttft_ms_base": base["ttft_ms"],
+        "tpot_ms_base": base["tpot_ms"],
+        "measured_at_concurrency": head,
+        "concurrency": table,
+    }
+
+
+def _pooled_table(runs: Runs, names: list[str], conc: list[int], depth: int) -> list[dict]:
+    """Both servers at every concurrency, all benchmarks pooled (wall times summed)."""
+    overall = []
+    for c in conc:
+        agg = {}
+        for role in ROLES:
+            recs = [r for name in names for r in runs[role][c][name][0]]
+            dur = sum(runs[role][c][name][1] for name in names)
+            agg[role] = summarize(recs, dur, positions=depth)
+        overall.append({"concurrency": c, "baseline": agg["baseline"], "speculative": agg["speculative"],
+                        "speedup": ratio(agg["speculative"]["output_tokens_per_s"], agg["baseline"]["output_tokens_per_s"])})
+    return overall
+
+
+def plot_throughput(results: dict, path: Path) -> Path:
+    """Output tokens/s versus concurrency for both servers (all benchmarks pooled), with
+    the speculative server's effective running-request cap marked; written atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = results["concurrency"]
+    xs = [r["concurrency"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for role, style in (("baseline", "o-"), ("speculative", "s-")):
+        ys = [r[role]["output_tokens_per_s"] or 0.0 for r in rows]
+        ax.plot(xs, ys, style, label=f"{role}")
+    for r in rows:
+        if r["speedup"] is not None:
+            ax.annotate(f"x{r['speedup']:.2f}", (r["concurrency"], r["speculative"]["output_tokens_per_s"] or 0.0),
+                        textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+    eff = results["servers"]["speculative"]["effective"]
+    caps = [v for v in (eff.get("max_running_requests"), eff.get("effective_max_running_requests")) if isinstance(v, int)]
+    if caps and min(caps) < max(xs):
+        ax.axvline(min(caps), ls="--", color="grey", lw=1)
+        ax.text(min(caps), ax.get_ylim()[1] * 0.95, f" cap {min(caps)}", color="grey", fontsize=8, va="top")
+    if len(xs) > 1 and min(xs) > 0:
+        ax.set_xscale("log", base=2)
+    ax.set_xticks(xs)
+    ax.set_xticklabels([str(x) for x in xs])
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("output tokens / s")
+    spec = results["speculative"]
+    ax.set_title(f"SGLang throughput (EAGLE-3 {spec['num_steps']}/{spec['topk']}/{spec['num_draft_tokens']})")
+    ax.margins(y=0.15)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    tmp = path.with_name(path.stem + ".tmp" + path.suffix)
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
+
+
+def write_request_log(runs: dict, path: Path) -> None:
+    """Every measured request as one JSON line (role, concurrency, timings, counters)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        for role, by_c in runs.items():
+            for c, by_b in by_c.items():
+                for recs, _ in by_b.values():
+                    for r in recs:
+                        d = dict(r.__dict__, role=role, concurrency=c, tpot_s=r.tpot_s)
+                        d.pop("output_ids")
+                        f.write(json.dumps(d) + "\n")
+    os.replace(tmp, path)
