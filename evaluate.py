@@ -14,4 +14,9 @@ def main(cfg):
 
 
 if __name__ == "__main__":
+    from pathlib import Path
+
+    from eagle3.cli import exit_on_unknown_choice
+
+    exit_on_unknown_choice(Path(__file__).resolve().parent / "conf", "evaluate")
     main()

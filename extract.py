@@ -1,12 +1,11 @@
 """Extract stage: regenerate responses with the served target and capture its aux hidden states."""
 
-import sys
 from pathlib import Path
 
 import hydra
 
 import eagle3  # noqa: F401  (registers the config schema)
-from eagle3.cli import run_stage
+from eagle3.cli import exit_on_unknown_choice, run_stage
 
 CONF = Path(__file__).resolve().parent / "conf"
 
@@ -19,10 +18,5 @@ def main(cfg):
 
 
 if __name__ == "__main__":
-    from eagle3.extract.run import unknown_group_choice
-
-    problem = unknown_group_choice(sys.argv[1:], CONF)
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        sys.exit(2)
+    exit_on_unknown_choice(CONF, "extract")
     main()

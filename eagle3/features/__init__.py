@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from eagle3.features.store import (  # noqa: F401
+from eagle3.features.format import (  # noqa: F401
     FORMAT,
     VERSION,
     MANIFEST,
@@ -15,8 +15,10 @@ from eagle3.features.store import (  # noqa: F401
     estimate_bytes,
     samples_per_shard,
     shard_name,
-    FeatureWriter,
     part_manifest_name,
+)
+from eagle3.features.writer import FeatureWriter  # noqa: F401
+from eagle3.features.reader import (  # noqa: F401
     load_manifest,
     check_compatible,
     FeatureDataset,

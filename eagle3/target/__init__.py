@@ -18,18 +18,24 @@ from eagle3.target.layers import (  # noqa: F401
     to_sglang_ids,
     from_sglang_ids,
 )
-from eagle3.target.models import (  # noqa: F401
-    WEIGHT_SUFFIXES,
+from eagle3.target.source import (  # noqa: F401
     DTYPES,
-    TargetInfo,
     locate_package_file,
     dense_folder_name,
     quantized_folder_name,
+)
+from eagle3.target.quantize import (  # noqa: F401
     w4a16_quantization_config,
     quantize_w4a16_,
+)
+from eagle3.target.resolve import (  # noqa: F401
+    WEIGHT_SUFFIXES,
+    TargetInfo,
     content_hash,
     target_folder,
     resolve_target,
+)
+from eagle3.target.load import (  # noqa: F401
     load_tokenizer,
     load_target,
     load_target_embeddings,

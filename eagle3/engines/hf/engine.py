@@ -137,6 +137,8 @@ class HFEngine(Engine):
         return cls(model, tok, info, engine_cfg, device)
 
     def info(self) -> dict[str, Any]:
+        """See :meth:`Engine.info`: name ``hf``, device type, dtype of the weights, attention
+        implementations (model and generation) and the torch / transformers versions."""
         import transformers
 
         return {
@@ -270,6 +272,7 @@ class HFEngine(Engine):
         return out  # type: ignore[return-value]
 
     def close(self) -> None:
+        """Drop the model (and the CUDA cache); idempotent."""
         self.model = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -1,143 +1,31 @@
-"""The capture contract: per-sample records, sharded safetensors, manifest, resume.
-
-A features folder holds ``manifest.json`` and ``shard-NNNNN.safetensors`` files.
-
-Record (one sample; see docs/design.md):
-
-============================  ===========  ==========================================
-key                           shape        dtype
-============================  ===========  ==========================================
-``input_ids``                 ``[T]``      int32
-``loss_mask``                 ``[T]``      uint8, 1 = assistant token (trainable label)
-``aux_hidden_states``         ``[T, 3, H]`` bfloat16, HF ``output_hidden_states`` ids
-``topk_ids``                  ``[T, k]``   int32, target's top-k next-token ids at t
-``topk_logprobs``             ``[T, k]``   float32, their log-probs (full-vocab softmax)
-============================  ===========  ==========================================
-
-A shard concatenates its samples along the token axis and adds ``offsets [n+1]``
-(int64): sample ``i`` is rows ``offsets[i]:offsets[i+1]``.
+"""Writing a features folder: shards stored atomically with their checksums, the manifest, resume.
 
 Resume: the sample order (the *plan*) is fixed when a folder is first opened and cut
 into shards of ``samples_per_shard`` samples. Each shard is written under a temporary
 name, checksummed and renamed, then the manifest is rewritten atomically. Running
 again with the same settings skips shards whose sha256 matches and re-extracts any
-that are missing or corrupt, so the result equals an uninterrupted run.
+that are missing or corrupt, so the result equals an uninterrupted run. A
+data-parallel extraction writes one part manifest per worker, joined by
+:meth:`FeatureWriter.merge_parts`. The layout is :mod:`eagle3.features.format`'s.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
-from torch.utils.data import Dataset
 
 from eagle3.errors import Eagle3Error
+from eagle3.features.format import FORMAT, MANIFEST, TENSOR_KEYS, VERSION, Record, part_manifest_name, shard_name
+from eagle3.features.reader import load_manifest
 from eagle3.io import sha256_file, write_json_atomic
 
 log = logging.getLogger(__name__)
-
-FORMAT = "eagle3-features"
-VERSION = 1
-MANIFEST = "manifest.json"
-TENSOR_KEYS = ("input_ids", "loss_mask", "aux_hidden_states", "topk_ids", "topk_logprobs")
-DTYPES = {
-    "input_ids": torch.int32,
-    "loss_mask": torch.uint8,
-    "aux_hidden_states": torch.bfloat16,
-    "topk_ids": torch.int32,
-    "topk_logprobs": torch.float32,
-}
-# Metadata keys that must agree between feature folders trained on together.
-COMPATIBILITY_KEYS = (
-    ("target", "content_hash"),
-    ("target", "hidden_size"),
-    ("target", "vocab_size"),
-    ("target", "quantization"),
-    ("aux_layer_ids",),
-    ("chat_template_hash",),
-    ("capture", "top_k"),
-)
-
-
-@dataclass
-class Capture:
-    """What an engine returns for one token sequence of length T.
-
-    Attributes:
-        aux_hidden_states: ``[T, 3, H]`` bfloat16, the residual stream entering the
-            three aux layers (HF ``output_hidden_states`` ids) at every position.
-        topk_ids: ``[T, k]`` int32, the target's top-k next-token ids at position t
-            (the distribution of token t+1), most likely first.
-        topk_logprobs: ``[T, k]`` float32, their log-probabilities under the full
-            target vocabulary (log-softmax of the target's logits).
-    """
-
-    aux_hidden_states: torch.Tensor
-    topk_ids: torch.Tensor
-    topk_logprobs: torch.Tensor
-
-
-@dataclass
-class Record:
-    """One captured sample: ids ``[T]`` int32, loss mask ``[T]`` uint8, and its capture."""
-
-    sample_id: str
-    split: str
-    input_ids: torch.Tensor
-    loss_mask: torch.Tensor
-    capture: Capture
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """The five stored tensors, cast to the stored dtypes and checked for shape.
-
-        Raises:
-            Eagle3Error: lengths disagree, or the aux states are not ``[T, 3, H]``.
-        """
-        out = {
-            "input_ids": self.input_ids,
-            "loss_mask": self.loss_mask,
-            "aux_hidden_states": self.capture.aux_hidden_states,
-            "topk_ids": self.capture.topk_ids,
-            "topk_logprobs": self.capture.topk_logprobs,
-        }
-        out = {k: v.detach().to("cpu", DTYPES[k]).contiguous() for k, v in out.items()}
-        T = out["input_ids"].shape[0]
-        aux = out["aux_hidden_states"]
-        if aux.dim() != 3 or aux.shape[:2] != (T, 3):
-            raise Eagle3Error(
-                f"sample {self.sample_id}: aux_hidden_states has shape {tuple(aux.shape)}, "
-                f"expected [{T}, 3, H]; the engine must capture exactly three aux layers"
-            )
-        for k in ("loss_mask", "topk_ids", "topk_logprobs"):
-            if out[k].shape[0] != T:
-                raise Eagle3Error(
-                    f"sample {self.sample_id}: {k} has {out[k].shape[0]} rows for {T} tokens"
-                )
-        return out
-
-
-def bytes_per_token(hidden_size: int, top_k: int) -> int:
-    """Stored bytes per token: aux ``3H`` bf16 + top-k ids and log-probs + id + mask."""
-    return 3 * hidden_size * 2 + top_k * (4 + 4) + 4 + 1
-
-
-def estimate_bytes(num_tokens: int, hidden_size: int, top_k: int) -> int:
-    """Bytes a capture of ``num_tokens`` tokens will take on disk (within a few %)."""
-    return int(num_tokens) * bytes_per_token(hidden_size, top_k)
-
-
-def samples_per_shard(shard_size_mb: float, hidden_size: int, top_k: int, tokens_per_sample: float) -> int:
-    """How many samples of ``tokens_per_sample`` tokens fill a shard of ``shard_size_mb`` MB."""
-    per_sample = max(1.0, tokens_per_sample) * bytes_per_token(hidden_size, top_k)
-    return max(1, int(shard_size_mb * 1e6 // per_sample))
 
 
 def _normalise(obj: Any) -> Any:
@@ -146,6 +34,7 @@ def _normalise(obj: Any) -> Any:
 
 
 def _first_difference(a: Any, b: Any, prefix: str = "") -> str | None:
+    """The first dotted key where ``a`` and ``b`` differ, with both values; None when equal."""
     if isinstance(a, dict) and isinstance(b, dict):
         for k in sorted(set(a) | set(b)):
             d = _first_difference(a.get(k, "<absent>"), b.get(k, "<absent>"), f"{prefix}{k}.")
@@ -155,10 +44,6 @@ def _first_difference(a: Any, b: Any, prefix: str = "") -> str | None:
     if a != b:
         return f"{prefix.rstrip('.')} ({a!r} vs {b!r})"
     return None
-
-
-def shard_name(index: int) -> str:
-    return f"shard-{index:05d}.safetensors"
 
 
 class FeatureWriter:
@@ -415,143 +300,3 @@ class FeatureWriter:
 
     def _save(self) -> None:
         write_json_atomic(self.out_dir / self.manifest_name, self.manifest)
-
-
-def part_manifest_name(worker: int, workers: int) -> str:
-    """``manifest.part-W-of-N.json``: the shards extracted by one data-parallel worker."""
-    return f"manifest.part-{worker}-of-{workers}.json"
-
-
-# ---------------------------------------------------------------------- reading
-def load_manifest(features_dir: str | os.PathLike, require_complete: bool = True, name: str = MANIFEST) -> dict:
-    """Read and check ``<features_dir>/manifest.json`` (or the manifest file ``name``).
-
-    Raises:
-        Eagle3Error: the folder or manifest is missing, unreadable, of another format,
-            or (with ``require_complete``) the extraction did not finish.
-    """
-    d = Path(features_dir)
-    if not d.is_dir():
-        raise Eagle3Error(f"features folder {d} does not exist; run extract.py first or pass features_dir=PATH")
-    path = d / name
-    if not path.exists():
-        raise Eagle3Error(f"{d} has no {name}; it is not a features folder (run extract.py with output_dir={d})")
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise Eagle3Error(f"{path} is not valid JSON ({e}); re-run extract.py into a new output_dir") from None
-    if manifest.get("format") != FORMAT:
-        raise Eagle3Error(f"{path} is not an eagle3 features manifest")
-    if manifest.get("version") != VERSION:
-        raise Eagle3Error(f"{path} has format version {manifest.get('version')}, this eagle3 reads {VERSION}")
-    if require_complete and not manifest.get("complete"):
-        raise Eagle3Error(
-            f"the extraction in {d} did not finish; run the same extract.py command again to resume it"
-        )
-    return manifest
-
-
-def check_compatible(manifests: Sequence[dict], names: Sequence[str] | None = None) -> None:
-    """Refuse feature folders whose targets, aux layers or templates disagree.
-
-    Raises:
-        Eagle3Error: naming the first differing metadata key and the two values.
-    """
-    names = list(names or [f"#{i}" for i in range(len(manifests))])
-    ref = manifests[0]["metadata"]
-    for name, m in zip(names[1:], manifests[1:]):
-        for path in COMPATIBILITY_KEYS:
-            a, b = ref, m["metadata"]
-            for k in path:
-                a = a.get(k) if isinstance(a, dict) else None
-                b = b.get(k) if isinstance(b, dict) else None
-            if a != b:
-                raise Eagle3Error(
-                    f"features {names[0]} and {name} disagree on {'.'.join(path)} ({a!r} vs {b!r}); "
-                    "train only on features extracted from the same target with the same settings"
-                )
-
-
-class FeatureDataset(Dataset):
-    """Samples of one or more features folders, read lazily from their shards.
-
-    ``ds[i]`` is a dict with the record tensors (see module docstring) plus
-    ``sample_id`` (str) and ``split`` (str).
-
-    Args:
-        features_dirs: a folder or a list of folders (their manifests must agree).
-        splits: which splits to serve (``train``, ``validation``).
-        verify: check every shard's sha256 before use (a corrupt shard is an error,
-            never read).
-
-    Raises:
-        Eagle3Error: missing/empty folder, unfinished extraction, incompatible
-            manifests, a shard missing or failing its checksum.
-    """
-
-    def __init__(self, features_dirs: str | os.PathLike | Iterable, splits: Sequence[str] = ("train",), verify: bool = True):
-        dirs = [Path(features_dirs)] if isinstance(features_dirs, (str, os.PathLike)) else [Path(d) for d in features_dirs]
-        if not dirs:
-            raise Eagle3Error("no features folder given; pass features_dir=PATH")
-        self.manifests = [load_manifest(d) for d in dirs]
-        check_compatible(self.manifests, [str(d) for d in dirs])
-        self.manifest = self.manifests[0]
-        self.metadata = self.manifest["metadata"]
-        self.splits = tuple(splits)
-        self._index: list[tuple[Path, int, str, str]] = []  # (shard path, row in shard, id, split)
-        self.lengths: list[int] = []
-        for d, m in zip(dirs, self.manifests):
-            files = [s for s in m["shards"] if s["file"]]
-            if not files:
-                raise Eagle3Error(f"{d} holds no captured samples; re-run extract.py with more data")
-            for sh in files:
-                f = d / sh["file"]
-                if not f.exists():
-                    raise Eagle3Error(f"shard {f} is missing; re-run the same extract.py command to re-extract it")
-                if verify and sha256_file(f) != sh["sha256"]:
-                    raise Eagle3Error(
-                        f"shard {f} fails its sha256 check (corrupt); re-run the same extract.py command "
-                        "to re-extract it"
-                    )
-                for row, s in enumerate(sh["samples"]):
-                    if s["split"] in self.splits:
-                        self._index.append((f, row, s["id"], s["split"]))
-                        self.lengths.append(int(s["length"]))
-        self._handles: dict[Path, Any] = {}
-        self._offsets: dict[Path, torch.Tensor] = {}
-
-    @property
-    def sample_ids(self) -> list[str]:
-        return [i for _, _, i, _ in self._index]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.lengths)
-
-    def __len__(self) -> int:
-        return len(self._index)
-
-    def _handle(self, f: Path):
-        h = self._handles.get(f)
-        if h is None:
-            h = safe_open(str(f), framework="pt")
-            self._handles[f] = h
-            self._offsets[f] = h.get_tensor("offsets")
-        return h
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        f, row, sid, split = self._index[i]
-        h = self._handle(f)
-        off = self._offsets[f]
-        a, b = int(off[row]), int(off[row + 1])
-        out: dict[str, Any] = {k: h.get_slice(k)[a:b] for k in TENSOR_KEYS}
-        out["sample_id"] = sid
-        out["split"] = split
-        return out
-
-    def __getstate__(self):  # DataLoader workers reopen their own handles
-        st = self.__dict__.copy()
-        st["_handles"] = {}
-        st["_offsets"] = {}
-        return st
-
