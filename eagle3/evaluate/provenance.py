@@ -55,7 +55,7 @@ def check_export(meta: dict, target_info, template_hash: Optional[str]) -> list[
 
     Args:
         meta: the export's ``eagle3_meta.json``.
-        target_info: :class:`eagle3.target.models.TargetInfo` of the configured target (or
+        target_info: :class:`eagle3.target.TargetInfo` of the configured target (or
             anything with ``name``, ``content_hash``, ``quantization``).
         template_hash: :func:`eagle3.target.chat.chat_template_hash` of the tokenizer that
             renders the benchmark prompts (None: not checked).
@@ -143,7 +143,7 @@ def check_drafter_fits(arch, export_meta: dict, info, drafter_dir: Path) -> list
             ``target_hidden_size``).
         export_meta: the meta returned by :func:`eagle3.export.load_sglang_export`
             (``aux_layer_ids``: HF-convention layer ids the drafter reads).
-        info: :class:`eagle3.target.models.TargetInfo` of the configured target.
+        info: :class:`eagle3.target.TargetInfo` of the configured target.
         drafter_dir: the export folder, named in errors.
 
     Raises:

@@ -31,7 +31,7 @@ BOOTSTRAP_DRAFT_VOCAB = 4096
 
 
 def _target_dims(model_cfg: Any, cache_dir: str | os.PathLike) -> dict:
-    """Target sizes, aux ids and local folder from ``eagle3.target.models.resolve_target``
+    """Target sizes, aux ids and local folder from ``eagle3.target.resolve_target``
     (for a hub-only target such as Kimi these come from the model config alone)."""
     info = resolve_target(model_cfg, cache_dir)
     dims = {k: getattr(info, k, None) for k in (

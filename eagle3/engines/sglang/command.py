@@ -172,7 +172,7 @@ def render_launch_command(
 
 
 def resolve_model_path(model_cfg: Any, dims: dict) -> str:
-    """What ``--model-path`` gets: the local folder ``eagle3.target.models`` resolved or built
+    """What ``--model-path`` gets: the local folder ``eagle3.target`` resolved or built
     for the target (``package:`` sources, quantised builds), else the hub id."""
     return str(dims.get("path") or model_cfg.source)
 

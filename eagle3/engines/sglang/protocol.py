@@ -109,7 +109,7 @@ def _topk_row(entry: Any, top_k: int, where: str) -> tuple[list[int], list[float
 
 
 def parse_capture(out: dict, input_ids: Sequence[int], hidden_size: int, top_k: int, url: str = "the server") -> Capture:
-    """Turn one capture answer of SGLang into a :class:`~eagle3.features.store.Capture`.
+    """Turn one capture answer of SGLang into a :class:`~eagle3.features.Capture`.
 
     Args:
         out: the ``/generate`` answer for ``input_ids`` sent with ``max_new_tokens=1``,
