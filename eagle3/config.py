@@ -113,11 +113,11 @@ class SGLangEngineConfig:
     ``serve`` settings and the fields below, and waits on ``/health``.
     Extraction needs servers in capture mode (see docs/sglang.md); evaluation uses
     ``baseline_url`` (no drafter) and ``speculative_url`` (serving the drafter), or
-    launches each in turn when they are not set.
+    launches each in turn when they are not set, and refuses ``url``/``urls``.
     """
 
     name: str = "sglang"
-    url: Optional[str] = None
+    url: Optional[str] = None  # extraction's capture server(s); refused by served evaluation
     urls: list[str] = field(default_factory=list)
     host: str = "127.0.0.1"
     port: int = 30000

@@ -245,3 +245,78 @@ def test_servers_are_launched_in_turn_when_no_urls(tokenizer_dir, tmp_path, monk
     assert "--cuda-graph-max-bs-decode 128" in spec_cmd  # the spelling the server's --help lists
     assert res["benchmarks"]["gsm8k"]["acceptance_length"] > 1
     assert res["servers"]["speculative"]["effective"]["max_running_requests"] == 128
+
+
+@pytest.mark.parametrize("setting", ["url", "urls"])
+def test_engine_url_is_refused_in_served_evaluation(tokenizer_dir, servers, tmp_path, setting):
+    """``engine.url`` / ``engine.urls`` name extraction's capture servers: served evaluation refuses
+    them rather than ignore them (and launch servers of its own)."""
+    spec = servers(speculative=True)
+    cfg = make_cfg(tokenizer_dir, None, None)
+    cfg.engine.python = sys.executable
+    setattr(cfg.engine, setting, spec.url if setting == "url" else [spec.url])
+    given = f"engine.url={spec.url}" if setting == "url" else f"engine.urls=[{spec.url}]"
+    with pytest.raises(Eagle3Error) as e:
+        se.run_sglang_evaluation(cfg, benchmarks(), {}, tmp_path)
+    assert str(e.value) == (
+        f"served evaluation does not read engine.url / engine.urls ({given}), which name extraction's capture "
+        "servers; pass engine.baseline_url=http://HOST:PORT (the target without a drafter) and "
+        "engine.speculative_url=http://HOST:PORT (the target serving the drafter) instead")
+    assert spec.requests == []  # refused before any request
+
+
+def test_engine_url_on_the_evaluate_command_line_is_refused(tokenizer_dir, servers, tmp_path):
+    """``python evaluate.py model=kimi-k25-int4 engine=sglang engine.url=...``: refused in one sentence."""
+    import torch
+    from hydra import compose, initialize_config_dir
+    from transformers import AutoTokenizer
+
+    from eagle3.cli import to_typed
+    from eagle3.evaluate.run import run_evaluate
+    from eagle3.export import export_sglang
+    from eagle3.target import chat_template_hash
+    from eagle3.train.drafter import DrafterArch, Eagle3Drafter
+
+    export = tmp_path / "export" / "sglang"
+    arch = DrafterArch(hidden_size=4, num_attention_heads=2, num_key_value_heads=2, head_dim=4, intermediate_size=8,
+                       num_layers=1, target_hidden_size=4, vocab_size=V, draft_vocab_size=64)
+    torch.manual_seed(0)
+    export_sglang(Eagle3Drafter(arch), export, {
+        "aux_layer_ids": [2, 30, 58], "target": {"name": "kimi-k25-int4", "architecture": "deepseek_v2"},
+        "chat_template_hash": chat_template_hash(AutoTokenizer.from_pretrained(tokenizer_dir))})
+    spec = servers(speculative=True)
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = to_typed(compose(config_name="evaluate", overrides=[
+            "model=kimi-k25-int4", "engine=sglang", f"engine.url={spec.url}", f"engine.python={sys.executable}",
+            f"model.tokenizer={tokenizer_dir}", "model.hidden_size=4", f"model.vocab_size={V}", f"drafter_dir={export}",
+            "data.names=[gsm8k]", "data.limit=3", "concurrency=[1]", "max_new_tokens=8", f"output_dir={tmp_path / 'eval'}",
+        ]))
+    with pytest.raises(Eagle3Error, match=r"^served evaluation does not read engine.url / engine.urls \(engine.url="):
+        run_evaluate(cfg)
+    assert spec.requests == [] and not (tmp_path / "eval" / "report.json").exists()
+
+
+def test_unreachable_servers_name_the_setting_used(tokenizer_dir, servers, tmp_path):
+    from eagle3.engines.sglang import free_port
+
+    closed = f"http://127.0.0.1:{free_port()}"
+    base, spec = servers(speculative=False), servers(speculative=True)
+    for base_url, spec_url, setting, at in ((closed, spec.url, "engine.baseline_url", closed),
+                                            (base.url, closed, "engine.speculative_url", closed)):
+        cfg = make_cfg(tokenizer_dir, base_url, spec_url, concurrency=(1,))
+        cfg.engine.connect_timeout_s = 0.2
+        with pytest.raises(Eagle3Error) as e:
+            se.run_sglang_evaluation(cfg, {"gsm8k": benchmarks()["gsm8k"]}, {}, tmp_path)
+        assert str(e.value) == f"no healthy SGLang server answers at {at}/health; start one (docs/sglang.md) or fix {setting}"
+
+
+def test_served_drafter_with_a_damaged_config_is_one_sentence(tokenizer_dir, servers, tmp_path):
+    draft = tmp_path / "served"
+    draft.mkdir()
+    (draft / "config.json").write_text('{"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3')
+    base, spec = servers(speculative=False), servers(speculative=True, draft_model_path=str(draft))
+    with pytest.raises(Eagle3Error) as e:
+        se.run_sglang_evaluation(make_cfg(tokenizer_dir, base.url, spec.url), benchmarks(), {"aux_layer_ids": [2, 4, 5]},
+                                 tmp_path)
+    assert str(e.value).startswith(f"{draft}/config.json is not valid JSON (") and "\n" not in str(e.value)

@@ -6,38 +6,53 @@ training prompts, its aux layer ids and the features folder(s). These functions 
 that record and compare it with the configured target: a different content hash or
 quantization gives a loud warning (a drafter trained on BF16 features meeting an INT4
 deployment accepts little); a different chat template, or a drafter whose vocabulary,
-hidden size or aux layers do not fit the target, is refused.
+hidden size or aux layers do not fit the target, is refused. Before that the export's
+files are checked (:func:`read_export`), and its aux layer ids are compared across
+``config.json`` (SGLang's convention), ``eagle3_meta.json`` (HF's) and the manifest of
+the features it was trained on (:func:`check_aux_ids`): a server must capture the
+layers the features had.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Optional
 
 from eagle3.errors import Eagle3Error
+from eagle3.target import from_sglang_ids, to_sglang_ids
 
 META_FILE = "eagle3_meta.json"
 
 
-def read_export_meta(drafter_dir: Path) -> dict:
-    """``eagle3_meta.json`` of an export (without loading weights).
+def read_export(drafter_dir: Path):
+    """Open and check an SGLang drafter export without loading its weights.
+
+    Returns:
+        :class:`eagle3.export.SGLangExport` (``config``, ``meta`` = ``eagle3_meta.json``
+        or {} when absent, ``arch``, ``d2t [Vd]`` int64, ``t2d [V]`` bool).
 
     Raises:
-        Eagle3Error: the folder is not an SGLang drafter export.
+        Eagle3Error: the folder is not an SGLang drafter export, or one of its files is
+            damaged (:func:`eagle3.export.read_sglang_export`: JSON, sizes, tensor
+            shapes, a readable safetensors file, ``d2t`` offsets).
     """
-    if not (drafter_dir / "config.json").is_file():
+    from eagle3.export import read_sglang_export
+
+    if not (Path(drafter_dir) / "config.json").is_file():
         raise Eagle3Error(
             f"no drafter export at {drafter_dir} (config.json missing); run train.py first or set "
             "drafter_dir=<train output_dir>/export/sglang"
         )
-    p = drafter_dir / META_FILE
-    if not p.is_file():
-        return {}
-    try:
-        return json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise Eagle3Error(f"{p} is not valid JSON ({e}); re-export the drafter") from None
+    return read_sglang_export(drafter_dir)
+
+
+def read_export_meta(drafter_dir: Path) -> dict:
+    """``eagle3_meta.json`` of an export ({} when absent), after :func:`read_export` checked its files.
+
+    Raises:
+        Eagle3Error: as :func:`read_export`.
+    """
+    return read_export(drafter_dir).meta
 
 
 def _norm_quant(q: Any) -> dict:
@@ -65,7 +80,8 @@ def check_export(meta: dict, target_info, template_hash: Optional[str]) -> list[
     """
     warnings = []
     if not meta:
-        return ["the drafter export has no eagle3_meta.json: its target, quantization and chat template cannot be checked"]
+        return ["the drafter export has no eagle3_meta.json: its target, quantization, chat template and aux layer "
+                "ids cannot be checked"]
     t = meta.get("target") or {}
     hash_differs = bool(t.get("content_hash")) and t.get("content_hash") != getattr(target_info, "content_hash", None)
     qa, qb = _norm_quant(t.get("quantization")), _norm_quant(getattr(target_info, "quantization", None))
@@ -95,15 +111,19 @@ def load_train_manifest(meta: dict) -> tuple[Optional[dict], list[str]]:
 
     Returns ``(manifest or None, warnings)``; the manifest carries ``plan`` and
     ``splits`` (sample ids), which :func:`eagle3.prompts.load_benchmark` uses to refuse
-    held-out prompts that were trained on.
+    held-out prompts that were trained on, ``metadata`` (the first folder's) and
+    ``features``: per folder ``{dir, aux_layer_ids, manifest_sha256}`` (HF ids as
+    extraction captured them; the hex sha256 of its ``manifest.json`` now), which
+    :func:`check_aux_ids` compares with the export.
     """
-    from eagle3.features import load_manifest
+    from eagle3.features import MANIFEST, load_manifest
+    from eagle3.io import sha256_file
 
     dirs = meta.get("features_dir")
     if not dirs:
         return None, ["the export names no features folder: held-out ShareGPT prompts cannot be checked against training"]
     dirs = dirs if isinstance(dirs, list) else [dirs]
-    merged: dict[str, Any] = {"plan": [], "splits": {}}
+    merged: dict[str, Any] = {"plan": [], "splits": {}, "features": []}
     for d in dirs:
         try:
             m = load_manifest(d, require_complete=False)
@@ -113,7 +133,80 @@ def load_train_manifest(meta: dict) -> tuple[Optional[dict], list[str]]:
         for k, ids in (m.get("splits") or {}).items():
             merged["splits"].setdefault(k, []).extend(ids)
         merged.setdefault("metadata", m.get("metadata"))
+        merged["features"].append({"dir": str(d), "aux_layer_ids": (m.get("metadata") or {}).get("aux_layer_ids"),
+                                   "manifest_sha256": sha256_file(Path(d) / MANIFEST)})
     return merged, []
+
+
+def check_aux_ids(export, manifest: Optional[dict], architecture: str) -> list[str]:
+    """Check that a server would capture the aux layers the drafter's features had; return warnings.
+
+    Two checks: ``config.json``'s ``eagle_config.eagle_aux_hidden_state_layer_ids``
+    (SGLang's convention, :mod:`eagle3.target.layers`) must make a server of
+    ``architecture`` capture the HF ids in ``eagle3_meta.json`` (``aux_layer_ids``); and
+    those must be the ids the training features were captured with (each manifest's
+    ``metadata.aux_layer_ids``, from :func:`load_train_manifest`).
+
+    Args:
+        export: :class:`eagle3.export.SGLangExport` from :func:`read_export`.
+        manifest: from :func:`load_train_manifest`, or None (then the second check cannot
+            be made, which is a warning).
+        architecture: the configured target's family (``model.architecture``).
+
+    Raises:
+        Eagle3Error: an id list missing, or ids that disagree (naming both lists and the fix).
+    """
+    meta, d = export.meta, export.dir
+    if not meta:
+        return []  # check_export already warns that the export's provenance cannot be checked
+    hf, sg = meta.get("aux_layer_ids"), export.sglang_aux_ids
+    if hf is None or sg is None:
+        field = f"{META_FILE} field 'aux_layer_ids'" if hf is None else \
+            "config.json field 'eagle_config.eagle_aux_hidden_state_layer_ids'"
+        raise Eagle3Error(f"{d} lacks the {field}, so the layers a server captures cannot be checked; re-export the drafter")
+    hf = list(hf)
+    captured = from_sglang_ids(sg, architecture)
+    if captured != hf:
+        raise Eagle3Error(
+            f"{d}/config.json has the SGLang aux ids {sg}, which a {architecture} server captures as HF layers "
+            f"{captured}, but {META_FILE} records aux_layer_ids {hf} (SGLang ids {_sglang_ids(hf, architecture)}); "
+            "re-export the drafter"
+        )
+    feats = (manifest or {}).get("features")
+    if not feats:
+        where = (f"the features folder {meta['features_dir']} cannot be read" if meta.get("features_dir")
+                 else f"{META_FILE} names no features folder")
+        return [f"the export's aux layer ids {hf} could not be checked against the layers its training features "
+                f"were captured from ({where}); make sure they are the layers extraction captured"]
+    warnings = []
+    for f in feats:
+        ids = f.get("aux_layer_ids")
+        if ids is None:
+            warnings.append(f"the features manifest in {f['dir']} records no aux_layer_ids, so the export's aux "
+                            f"layer ids {hf} could not be checked against it")
+        elif list(ids) != hf:
+            raise Eagle3Error(
+                f"the export at {d} makes the server capture aux layers {hf} (HF ids; SGLang ids {sg} in config.json) "
+                f"but its training features in {f['dir']} were captured from layers {list(ids)}; re-export the "
+                f"drafter from its training run with aux_layer_ids {list(ids)}, or retrain it on features of the "
+                "layers you want"
+            )
+    recorded = meta.get("features_manifest_sha256")
+    recorded = recorded if isinstance(recorded, list) else [recorded] * len(feats)
+    for f, want in zip(feats, recorded):
+        if want and want != f["manifest_sha256"]:
+            warnings.append(f"the features manifest in {f['dir']} changed since the drafter was trained on it "
+                            f"(sha256 {str(want)[:12]}… recorded, {f['manifest_sha256'][:12]}… now); its aux layer "
+                            "and held-out checks use the current manifest")
+    return warnings
+
+
+def _sglang_ids(hf_ids: list[int], architecture: str) -> str:
+    """``to_sglang_ids`` as text, or why the ids cannot be written for SGLang."""
+    try:
+        return str(to_sglang_ids(hf_ids, architecture))
+    except Eagle3Error:
+        return "none: not expressible"
 
 
 def feature_dtype_warning(manifest: Optional[dict], dtype: str) -> Optional[str]:

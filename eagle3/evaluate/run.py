@@ -2,9 +2,13 @@
 
 ``run_evaluate(cfg)``:
 
-1. Opens the drafter export (``drafter_dir``, default
-   ``data/drafters/<model>/sharegpt/export/sglang``) the way a server does
-   (:func:`eagle3.export.sglang.load_sglang_export`: ``config.json``, ``d2t``, aux ids) and
+1. Checks the drafter export's files before any work (``drafter_dir``, default
+   ``data/drafters/<model>/sharegpt/export/sglang``;
+   :func:`eagle3.evaluate.provenance.read_export`: JSON, sizes, tensor shapes, ``d2t``
+   offsets), checks that its aux layer ids agree between ``config.json``,
+   ``eagle3_meta.json`` and the training features
+   (:func:`eagle3.evaluate.provenance.check_aux_ids`), opens it the way a server does
+   (:func:`eagle3.export.load_sglang_export`) and
    compares its ``eagle3_meta.json`` with the configured target: a different content
    hash or quantization gives a loud warning (a drafter trained on BF16 features
    meeting an INT4 deployment accepts little); a different chat template is refused
@@ -43,11 +47,12 @@ from eagle3.evaluate.benchmarks import benchmark_names, load_benchmarks
 from eagle3.evaluate.inprocess import evaluate_hf
 from eagle3.evaluate.parallel import run_evaluate_parallel
 from eagle3.evaluate.provenance import (
+    check_aux_ids,
     check_drafter_fits,
     check_export,
     feature_dtype_warning,
     load_train_manifest,
-    read_export_meta,
+    read_export,
 )
 from eagle3.evaluate.records import SAMPLES_FILE, overall_summary, write_samples
 from eagle3.evaluate.report import write_report
@@ -62,25 +67,31 @@ def run_evaluate(cfg) -> dict:
     """The evaluate stage (see the module docstring). Returns the report's results dict.
 
     Raises:
-        Eagle3Error: no export, a chat-template mismatch, a drafter that does not fit the
-            target (vocabulary/hidden size/aux layers), bad speculative settings, or
-            benchmark problems (unknown name, overlap with training, missing MT-Bench file).
+        Eagle3Error: ``engine.url`` / ``engine.urls`` with ``engine=sglang``, no export or a
+            damaged one, aux layer ids that disagree between config.json, eagle3_meta.json
+            and the training features, a chat-template mismatch, a drafter that does not
+            fit the target (vocabulary/hidden size/aux layers), bad speculative settings,
+            or benchmark problems (unknown name, overlap with training, missing MT-Bench file).
     """
     settings, note = SpecSettings.make(
         cfg.speculative.num_steps, cfg.speculative.topk, cfg.speculative.num_draft_tokens,
         cfg.temperature, cfg.top_p, cfg.max_new_tokens,
     )
     warnings = [note] if note else []
-    if getattr(cfg.engine, "name", "hf") == "hf" and int(cfg.workers) > 1 and cfg.worker is None:
+    engine = getattr(cfg.engine, "name", "hf")
+    if engine == "sglang":
+        from eagle3.evaluate.servers import check_served_urls
+
+        check_served_urls(cfg.engine)  # before any file is read or written
+    export = read_export(Path(cfg.drafter_dir))  # a damaged export stops here, before any work
+    meta = export.meta
+    manifest, w = load_train_manifest(meta)
+    warnings += w + check_aux_ids(export, manifest, cfg.model.architecture)
+    if engine == "hf" and int(cfg.workers) > 1 and cfg.worker is None:
         return run_evaluate_parallel(cfg, settings)
-    drafter_dir = Path(cfg.drafter_dir)
-    meta = read_export_meta(drafter_dir)
     names = benchmark_names(cfg.data)
     output_dir = stage_output_dir(cfg)
     output_dir.mkdir(parents=True, exist_ok=True)
-    manifest, w = load_train_manifest(meta)
-    warnings += w
-    engine = getattr(cfg.engine, "name", "hf")
     if engine == "sglang":
         results = _evaluate_served(cfg, meta, names, manifest, output_dir, warnings)
     elif engine == "hf":

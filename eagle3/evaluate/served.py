@@ -2,10 +2,11 @@
 request concurrency.
 
 For each server (connected through ``engine.baseline_url`` / ``engine.speculative_url``
-or launched in turn on the same GPUs), each concurrency ``c`` of ``cfg.concurrency`` and
-each benchmark, the benchmark's prompts are sent as streamed ``/generate`` requests with
-at most ``c`` in flight (multi-turn prompts such as MT-Bench send their turns in order,
-the second turn carrying the first answer). Measured as ``sglang.bench_serving`` does
+or launched in turn on the same GPUs; ``engine.url`` / ``engine.urls`` are refused),
+each concurrency ``c`` of ``cfg.concurrency`` and each benchmark, the benchmark's
+prompts are sent as streamed ``/generate`` requests with at most ``c`` in flight
+(multi-turn prompts such as MT-Bench send their turns in order, the second turn
+carrying the first answer). Measured as ``sglang.bench_serving`` does
 (``python/sglang/benchmark/serving.py``):
 
 * output tokens/s = sum of ``completion_tokens`` / wall time of the run;
@@ -43,7 +44,14 @@ from eagle3.engines import sglang as sg
 from eagle3.errors import Eagle3Error
 from eagle3.evaluate.served_results import PLOT_NAME, REQUESTS_NAME, build_results, plot_throughput, write_request_log
 from eagle3.evaluate.served_sweeps import sweep_server
-from eagle3.evaluate.servers import ROLES, Server, cap_warnings, check_speculative_server, open_server
+from eagle3.evaluate.servers import (
+    ROLES,
+    Server,
+    cap_warnings,
+    check_served_urls,
+    check_speculative_server,
+    open_server,
+)
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +74,12 @@ def run_sglang_evaluation(cfg: Any, benchmarks: dict, export_meta: dict, output_
         "speculative": {...}, "warnings": [...], "plots": {...}}``.
 
     Raises:
-        Eagle3Error: servers missing / unreachable / misconfigured, or a request that
-            keeps failing.
+        Eagle3Error: ``engine.url`` / ``engine.urls`` set (:func:`eagle3.evaluate.servers.check_served_urls`),
+            servers missing / unreachable / misconfigured, or a request that keeps failing.
     """
     from eagle3.target import load_tokenizer
 
+    check_served_urls(cfg.engine)
     out_dir = Path(output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     concurrency = sorted({int(c) for c in cfg.concurrency})

@@ -1,8 +1,9 @@
 """The two SGLang servers of a served evaluation: opening them and checking what they run.
 
 :func:`open_server` connects to ``engine.baseline_url`` / ``engine.speculative_url`` or
-launches the server itself, and refuses a speculative server that does not run EAGLE3
-or a baseline that runs a drafter; :func:`check_speculative_server` compares what the
+launches the server itself (``engine.url`` / ``engine.urls``, extraction's settings, are
+refused by :func:`check_served_urls`), and refuses a speculative server that does not
+run EAGLE3 or a baseline that runs a drafter; :func:`check_speculative_server` compares what the
 speculative server serves with the configured settings and the evaluated export;
 :func:`cap_warnings` warns when a tested concurrency exceeds what a server admits. The
 speculative server silently caps running requests at 48 unless
@@ -12,7 +13,6 @@ effective cap is read back from ``/server_info``.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 from eagle3.engines import sglang as sg
 from eagle3.errors import Eagle3Error
+from eagle3.export import read_json_object
 
 #: the two servers, measured in this order
 ROLES = ("baseline", "speculative")
@@ -54,17 +55,38 @@ class Server:
             self.launched = None
 
 
+def check_served_urls(engine_cfg: Any) -> None:
+    """Refuse ``engine.url`` / ``engine.urls`` in served evaluation.
+
+    Those name extraction's capture servers; served evaluation measures two servers and
+    reads only ``engine.baseline_url`` and ``engine.speculative_url`` (or launches each
+    server itself when they are unset), so a URL there would otherwise be ignored.
+
+    Raises:
+        Eagle3Error: ``engine.url`` or ``engine.urls`` is set.
+    """
+    url, urls = getattr(engine_cfg, "url", None), [str(u) for u in getattr(engine_cfg, "urls", None) or []]
+    given = ([f"engine.url={url}"] if url else []) + ([f"engine.urls=[{','.join(urls)}]"] if urls else [])
+    if given:
+        raise Eagle3Error(
+            f"served evaluation does not read engine.url / engine.urls ({', '.join(given)}), which name extraction's "
+            "capture servers; pass engine.baseline_url=http://HOST:PORT (the target without a drafter) and "
+            "engine.speculative_url=http://HOST:PORT (the target serving the drafter) instead"
+        )
+
+
 def open_server(role: str, cfg: Any, run_dir: Path) -> Server:
     """Connect to ``engine.<role>_url`` or launch the server for ``role``.
 
     Raises:
-        Eagle3Error: not reachable; neither URL nor sglang to launch with; a speculative
-            server that does not run EAGLE3 or a baseline that runs a drafter.
+        Eagle3Error: not reachable (naming ``engine.<role>_url``); neither URL nor sglang
+            to launch with; a speculative server that does not run EAGLE3 or a baseline
+            that runs a drafter.
     """
     e = cfg.engine
     url = getattr(e, f"{role}_url", None)
     if url:
-        client, info = sg.connect(url, e)
+        client, info = sg.connect(url, e, setting=f"engine.{role}_url")
         server = Server(role, client, info)
     else:
         server = _launch(role, cfg, run_dir)
@@ -122,7 +144,8 @@ def check_speculative_server(server: Server, cfg: Any, export_meta: dict) -> lis
 
     Raises:
         Eagle3Error: its drafter (when readable here) captures other aux layers than the
-            ones the drafter was trained on.
+            ones the drafter was trained on, or has a ``config.json`` / ``eagle3_meta.json``
+            that is not valid JSON.
     """
     warnings = []
     info = server.info
@@ -135,6 +158,8 @@ def check_speculative_server(server: Server, cfg: Any, export_meta: dict) -> lis
             + "; results are reported for the server's settings"
         )
     draft = info.get("speculative_draft_model_path")
+    if draft and os.path.isfile(os.path.join(draft, "config.json")):
+        read_json_object(Path(draft, "config.json"))  # a damaged file is one sentence, not a traceback
     served = sg.read_draft_aux_ids(draft, cfg.model.architecture)
     trained = export_meta.get("aux_layer_ids") if export_meta else None
     if served is not None and trained is not None and list(served) != list(trained):
@@ -143,7 +168,7 @@ def check_speculative_server(server: Server, cfg: Any, export_meta: dict) -> lis
             f"drafter under evaluation was trained on {list(trained)}; serve the evaluated export"
         )
     if draft and os.path.isfile(os.path.join(draft, "eagle3_meta.json")) and export_meta:
-        served_meta = json.loads(Path(draft, "eagle3_meta.json").read_text())
+        served_meta = read_json_object(Path(draft, "eagle3_meta.json"))
         for key in ("features_manifest_sha256", "chat_template_hash"):
             if key in served_meta and key in export_meta and served_meta[key] != export_meta[key]:
                 warnings.append(f"the served drafter's {key} differs from the evaluated export's: is it the same drafter?")

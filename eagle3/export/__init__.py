@@ -7,12 +7,18 @@ from eagle3.export.files import (  # noqa: F401
     DTYPES,
 )
 from eagle3.export.sglang import (  # noqa: F401
-    SGLANG_ARCHITECTURE,
     sglang_config,
     sglang_state_dict,
     export_sglang,
-    arch_from_sglang_config,
     load_sglang_export,
+)
+from eagle3.export.validate import (  # noqa: F401
+    SGLANG_ARCHITECTURE,
+    SGLangExport,
+    arch_from_sglang_config,
+    check_vocab_maps,
+    read_json_object,
+    read_sglang_export,
 )
 from eagle3.export.speculators import (  # noqa: F401
     speculators_available,

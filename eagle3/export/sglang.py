@@ -25,27 +25,27 @@ SGLang loads exactly one EAGLE-3 layer as ``midlayer`` (its optional
 ``additional_layers`` use another residual wiring), so only ``num_layers == 1``
 drafters are exported for it.
 
-The vLLM format is :mod:`eagle3.export.speculators`.
+Reading an export back checks every file first (:mod:`eagle3.export.validate`), so a
+damaged export is refused in one sentence naming the file and the field. The vLLM
+format is :mod:`eagle3.export.speculators`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Optional
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from eagle3.train.drafter import DrafterArch, Eagle3Drafter
 from eagle3.errors import Eagle3Error
-from eagle3.export.files import DTYPES, META_FILE, dtype_name, staging_dir, write_json
+from eagle3.export.files import META_FILE, dtype_name, staging_dir, write_json
+from eagle3.export.validate import SGLANG_ARCHITECTURE, WEIGHTS_FILE, read_sglang_export
 from eagle3.io import replace_dir
 from eagle3.target import from_sglang_ids, to_sglang_ids
-
-SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
 
 
 def sglang_config(arch: DrafterArch, sglang_aux_ids: list[int], dtype: torch.dtype) -> dict:
@@ -154,45 +154,19 @@ def export_sglang(drafter: Eagle3Drafter, out_dir: str | os.PathLike, meta: dict
     return out
 
 
-def arch_from_sglang_config(cfg: dict) -> DrafterArch:
-    """:class:`DrafterArch` from an SGLang drafter ``config.json``.
-
-    Raises:
-        Eagle3Error: not an ``LlamaForCausalLMEagle3`` config, or fields missing.
-    """
-    if cfg.get("architectures") != [SGLANG_ARCHITECTURE]:
-        raise Eagle3Error(f"config.json declares {cfg.get('architectures')}, not [{SGLANG_ARCHITECTURE!r}]")
-    try:
-        H = int(cfg["hidden_size"])
-        heads = int(cfg["num_attention_heads"])
-        return DrafterArch(
-            hidden_size=H,
-            num_attention_heads=heads,
-            num_key_value_heads=int(cfg.get("num_key_value_heads", heads)),
-            head_dim=int(cfg.get("head_dim") or H // heads),
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg.get("num_hidden_layers", 1)),
-            target_hidden_size=int(cfg.get("target_hidden_size") or H),
-            vocab_size=int(cfg["vocab_size"]),
-            draft_vocab_size=int(cfg.get("draft_vocab_size") or cfg["vocab_size"]),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
-        )
-    except KeyError as e:
-        raise Eagle3Error(f"drafter config.json lacks the field {e}; it is not a complete EAGLE-3 export") from None
-
-
 def load_sglang_export(export_dir: str | os.PathLike, embed_tokens: Optional[torch.Tensor] = None,
                        device: str | torch.device = "cpu",
                        dtype: Optional[torch.dtype] = None) -> tuple[Eagle3Drafter, dict]:
     """Load an SGLang-format drafter the way the server reads it.
 
-    Sizes come from ``config.json``; weights from ``model.safetensors`` (names with or
-    without a ``model.`` prefix; ``midlayer.`` is layer 0); ``d2t`` gives the draft
-    vocabulary (``t2d`` is rebuilt from it, as SGLang ignores the stored one); the aux
-    layer ids the server will capture are ``from_sglang_ids(config ids,
-    target.architecture)`` and must equal the HF ids in ``eagle3_meta.json``.
+    The files are checked first (:func:`eagle3.export.validate.read_sglang_export`):
+    sizes come from ``config.json``; every tensor of ``model.safetensors`` (names with
+    or without a ``model.`` prefix; ``midlayer.`` is layer 0) must have the shape those
+    sizes imply; ``d2t`` gives the draft vocabulary as offsets (``target_id = i +
+    d2t[i]``, SGLang's and vLLM's convention) and ``t2d`` is rebuilt from it, as SGLang
+    ignores the stored one (which must agree when present). The aux layer ids the server
+    will capture are ``from_sglang_ids(config ids, target.architecture)`` and must equal
+    the HF ids in ``eagle3_meta.json``.
 
     Args:
         embed_tokens: the target's ``[V, H]`` embedding table (SGLang's ``set_embed``);
@@ -206,48 +180,32 @@ def load_sglang_export(export_dir: str | os.PathLike, embed_tokens: Optional[tor
         ``aux_layer_ids`` set to what the server will capture.
 
     Raises:
-        Eagle3Error: missing files, a config that is not EAGLE-3, missing/extra
-            tensors, or aux ids that do not round-trip.
+        Eagle3Error: missing or damaged files (JSON that does not parse, missing or
+            non-numeric sizes, missing/extra/misshapen tensors, an unreadable safetensors
+            file), a config that is not EAGLE-3, a ``d2t`` that is not a valid offset map,
+            or aux ids that do not round-trip; one sentence naming the file and the field.
     """
-    d = Path(export_dir)
-    for f in ("config.json", "model.safetensors"):
-        if not (d / f).exists():
-            raise Eagle3Error(f"{d} has no {f}; point to an SGLang drafter export (<output_dir>/export/sglang)")
-    cfg = json.loads((d / "config.json").read_text())
-    meta = json.loads((d / META_FILE).read_text()) if (d / META_FILE).exists() else {}
-    arch = arch_from_sglang_config(cfg)
-    stored = DTYPES.get(cfg.get("torch_dtype", "bfloat16"), torch.bfloat16)
+    exp = read_sglang_export(export_dir)
+    d, arch, meta = exp.dir, exp.arch, exp.meta
     tensors = {}
-    with safe_open(str(d / "model.safetensors"), framework="pt") as f:
-        for k in f.keys():
-            name = k[len("model.") :] if k.startswith("model.") else k
-            if name.startswith("midlayer."):
-                name = "layers.0." + name[len("midlayer.") :]
-            tensors[name] = f.get_tensor(k)
+    try:
+        with safe_open(str(d / WEIGHTS_FILE), framework="pt") as f:
+            for name, key in exp.keys.items():
+                if name not in ("d2t", "t2d"):
+                    tensors[name] = f.get_tensor(key)
+    except (SafetensorError, OSError) as e:
+        raise Eagle3Error(f"{d / WEIGHTS_FILE} cannot be read ({e}); copy or re-export the drafter") from None
     drafter = Eagle3Drafter(arch)
-    expected = {k for k in drafter.state_dict() if not k.startswith("rotary_emb.")}
-    if arch.shares_target_embeddings:
-        expected.discard("embed_tokens.weight")
-    missing, extra = expected - set(tensors) - {"t2d"}, set(tensors) - expected
-    if missing or extra:
-        raise Eagle3Error(f"{d}/model.safetensors: missing {sorted(missing)}, unexpected {sorted(extra)}")
-    d2t = tensors.pop("d2t").to(torch.int64)
-    tensors.pop("t2d", None)
-    ids = torch.arange(arch.draft_vocab_size) + d2t
-    if ids.min() < 0 or ids.max() >= arch.vocab_size:
-        raise Eagle3Error(f"{d}: d2t maps draft ids outside the target vocabulary of {arch.vocab_size}")
-    t2d = torch.zeros(arch.vocab_size, dtype=torch.bool)
-    t2d[ids] = True
     with torch.no_grad():
         drafter.load_state_dict(tensors, strict=False)
-        drafter.set_draft_vocab(d2t, t2d)
+        drafter.set_draft_vocab(exp.d2t, exp.t2d)
         if arch.shares_target_embeddings:
             if embed_tokens is not None:
                 drafter.embed_tokens.weight.copy_(embed_tokens)
             else:
                 drafter.embed_tokens.weight.zero_()
     family = (meta.get("target") or {}).get("architecture")
-    sg_ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    sg_ids = exp.sglang_aux_ids
     if family and sg_ids is not None:
         captured = from_sglang_ids(list(sg_ids), family)
         if meta.get("aux_layer_ids") is not None and list(meta["aux_layer_ids"]) != captured:
@@ -256,4 +214,4 @@ def load_sglang_export(export_dir: str | os.PathLike, embed_tokens: Optional[tor
                 f"but the drafter was trained on {meta['aux_layer_ids']}; re-export it"
             )
         meta["aux_layer_ids"] = captured
-    return drafter.to(device=device, dtype=dtype or stored).eval(), meta
+    return drafter.to(device=device, dtype=dtype or exp.dtype).eval(), meta

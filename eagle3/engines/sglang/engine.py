@@ -52,9 +52,14 @@ def configured_urls(engine_cfg: Any) -> list[str]:
     return seen
 
 
-def connect(url: str, engine_cfg: Any, wait_s: float | None = None) -> tuple[SGLangClient, dict]:
+def connect(url: str, engine_cfg: Any, wait_s: float | None = None,
+            setting: str = "engine.url / engine.urls") -> tuple[SGLangClient, dict]:
     """Check ``/health`` (waiting up to ``wait_s``, default ``engine.connect_timeout_s``),
     then read ``/server_info``.
+
+    Args:
+        setting: the config field(s) ``url`` came from, named in the error (served
+            evaluation passes ``engine.baseline_url`` or ``engine.speculative_url``).
 
     Raises:
         Eagle3Error: nothing healthy answers at ``url``.
@@ -65,7 +70,7 @@ def connect(url: str, engine_cfg: Any, wait_s: float | None = None) -> tuple[SGL
     while not client.health(timeout_s=10.0):
         if time.monotonic() - t0 > wait_s:
             raise Eagle3Error(
-                f"no healthy SGLang server answers at {url}/health; start one (docs/sglang.md) or fix engine.url / engine.urls"
+                f"no healthy SGLang server answers at {url}/health; start one (docs/sglang.md) or fix {setting}"
             )
         time.sleep(1.0)
     return client, client.server_info()
