@@ -8,10 +8,16 @@ from eagle3.cli import run_stage
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg):
-    from eagle3.train.loop import run_train
+    from eagle3.train.run import run_train
 
     return run_stage(run_train, cfg)
 
 
 if __name__ == "__main__":
+    from pathlib import Path
+
+    from eagle3.cli import exit_on_bad_output_dir, exit_on_unknown_choice
+
+    exit_on_unknown_choice(Path(__file__).resolve().parent / "conf", "train")
+    exit_on_bad_output_dir()
     main()

@@ -30,8 +30,17 @@ def launch(features: Path, out: Path, processes: int, grad_accum: int, stop_afte
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                "--main_process_port", str(29500 + os.getpid() % 1000), str(WORKER), *args]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    for f in [*out.glob("error-*.txt"), *out.glob("hang-*.txt")]:  # reports of an earlier launch in this folder
+        f.unlink()
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.returncode == 0, rank_errors(out) + r.stderr[-4000:]
+
+
+def rank_errors(out: Path) -> str:
+    """What each failed process left (written by the worker): its traceback (``error-<rank>.txt``)
+    or, when it hung, the stacks of its threads (``hang-<rank>.txt``)."""
+    reports = sorted([*out.glob("error-*.txt"), *out.glob("hang-*.txt")])
+    return "".join(f"--- {f.name}\n{f.read_text()}\n" for f in reports)
 
 
 def order(out: Path) -> list:

@@ -24,6 +24,44 @@ def tiny_target(content_hash="sha256:tiny", **kw):
     return types.SimpleNamespace(**d)
 
 
+def rule(ids):
+    """The toy target's next token after each of ``ids``: ``(3 * id + 1) mod V``."""
+    return (3 * ids + 1) % V
+
+
+def toy_sequence(g, emb):
+    """One toy sample drawn from ``g``: ``(ids [T] int32, aux [T, 3, H] float32)``, 6 <= T < 20.
+
+    The ids follow :func:`rule` from a random first token; the three aux states of a
+    position are the token's row of ``emb`` plus noise of std 0.1.
+    """
+    T = int(torch.randint(6, 20, (1,), generator=g))
+    ids = [int(torch.randint(0, V, (1,), generator=g))]
+    for _ in range(T - 1):
+        ids.append(int(rule(ids[-1])))
+    ids = torch.tensor(ids, dtype=torch.int32)
+    aux = emb[ids.long()][:, None, :].repeat(1, 3, 1) + 0.1 * torch.randn(T, 3, H, generator=g)
+    return ids, aux
+
+
+def feature_table():
+    """``[V, H]``: the toy target's hidden state of each token (before noise)."""
+    return torch.randn(V, H, generator=torch.Generator().manual_seed(99))
+
+
+def held_out(n=40, seed=12345):
+    """``n`` toy samples for testing a trained drafter: ``[(ids [T] int64, aux [T, 3*H] float32
+    rounded through bfloat16 as the features store it)]``. Drawn from their own seed, so
+    their noise is none the training saw (their token chains may repeat training chains:
+    a chain is fixed by its first token and length)."""
+    g, emb = torch.Generator().manual_seed(seed), feature_table()
+    out = []
+    for _ in range(n):
+        ids, aux = toy_sequence(g, emb)
+        out.append((ids.long(), aux.bfloat16().float().reshape(len(ids), 3 * H)))
+    return out
+
+
 def write_features(d, n=24, content_hash="sha256:tiny", nan_ids=(), seed=0, val_every=6, no_labels=False):
     """A learnable toy: the target's next token is (3 * token + 1) mod V."""
     g = torch.Generator().manual_seed(seed)
@@ -32,16 +70,12 @@ def write_features(d, n=24, content_hash="sha256:tiny", nan_ids=(), seed=0, val_
                        "quantization": {"method": "none"}, "name": "tiny"},
             "aux_layer_ids": [2, 4, 5], "chat_template_hash": "sha256:tmpl", "capture": {"top_k": K}}
     w = FeatureWriter.open(d, meta, plan, samples_per_shard=8)
-    emb = torch.randn(V, H, generator=torch.Generator().manual_seed(99))
+    emb = feature_table()
     for idx, chunk in w.pending():
         recs = []
         for sid, split in chunk:
-            T = int(torch.randint(6, 20, (1,), generator=g))
-            ids = [int(torch.randint(0, V, (1,), generator=g))]
-            for _ in range(T - 1):
-                ids.append((3 * ids[-1] + 1) % V)
-            ids = torch.tensor(ids, dtype=torch.int32)
-            aux = emb[ids.long()][:, None, :].repeat(1, 3, 1) + 0.1 * torch.randn(T, 3, H, generator=g)
+            ids, aux = toy_sequence(g, emb)
+            T = len(ids)
             if sid in nan_ids:
                 aux[1, 0, 0] = float("nan")
             top = torch.stack([(3 * ids.long() + 1 + k) % V for k in range(K)], 1).int()

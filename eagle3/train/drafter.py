@@ -133,6 +133,9 @@ class DrafterAttention(nn.Module):
         attention_mask: Optional[torch.Tensor],
         past_key_values: Optional[DynamicCache],
     ) -> torch.Tensor:
+        """``x [B, T, in_features]`` -> ``[B, T, H]``; ``cos``/``sin`` ``[B, T, head_dim]``;
+        ``attention_mask`` as in :meth:`Eagle3Drafter.forward` (None = causal over cache + new rows);
+        ``past_key_values`` is extended in place with this layer's keys and values."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # [B, h, T, d]
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, kv, T, d]
@@ -170,6 +173,8 @@ class Eagle3FirstLayer(nn.Module):
         self.mlp = LlamaMLP(cfg)
 
     def forward(self, embeds, hidden, cos, sin, attention_mask, past_key_values):
+        """``embeds [B, T, H]`` (token embeddings), ``hidden [B, T, H]`` (fused target features or
+        the previous draft step's output) -> ``[B, T, H]``."""
         residual = hidden  # the fused hidden before its norm (as SGLang)
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
         h = residual + self.self_attn(x, cos, sin, attention_mask, past_key_values)
@@ -188,6 +193,7 @@ class DrafterLayer(nn.Module):
         self.mlp = LlamaMLP(cfg)
 
     def forward(self, h, cos, sin, attention_mask, past_key_values):
+        """``h [B, T, H]`` -> ``[B, T, H]``."""
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, attention_mask, past_key_values)
         return h + self.mlp(self.post_attention_layernorm(h))
 

@@ -181,6 +181,7 @@ class TTTCollator:
         return not bad_aux and not bool((torch.isnan(lp) | (lp == float("inf"))).any())
 
     def __call__(self, samples: Sequence[dict]) -> dict[str, Any]:
+        """Collate feature records (``FeatureDataset`` items) into the batch dict described above."""
         good = [s for s in samples if self.is_finite(s)]
         skipped = len(samples) - len(good)
         L = [min(int(s["input_ids"].shape[0]), self.max_length) for s in good]
@@ -368,6 +369,7 @@ class TTTModel(nn.Module):
         self.step_weight = step_weight
 
     def forward(self, batch: dict) -> TTTOutput:
+        """:func:`ttt_forward` of the wrapped drafter over a collated batch."""
         return ttt_forward(self.drafter, batch, self.ttt_steps, self.step_weight)
 
 

@@ -79,7 +79,7 @@ def count_label_tokens(
     """Count loss-masked tokens (``loss_mask == 1``) of the given splits.
 
     Reads only ``input_ids``, ``loss_mask`` and ``offsets`` of each shard (the shard
-    layout of :mod:`eagle3.features.store`), never the hidden states.
+    layout of :mod:`eagle3.features.format`), never the hidden states.
 
     Returns:
         ``[V]`` int64 counts.

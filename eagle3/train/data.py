@@ -1,0 +1,168 @@
+"""The train stage's data: the feature datasets, their fit to the target, and the global batch plan.
+
+:func:`open_datasets` opens the training and validation splits of the extract stage's
+features and checks that they come from the configured target. Batches are
+length-bucketed up to ``max_tokens`` padded tokens and their order is a pure function of
+``(seed, epoch)`` (:func:`length_bucketed_batches`); :class:`BatchPlan` cuts each epoch's
+list to whole optimizer steps and deals micro-batch ``i`` to process ``i % world``, so the
+samples of optimizer step ``k`` do not depend on how the global batch is split between
+processes and gradient accumulation. :func:`make_loader` turns a list of batches into a
+``DataLoader``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from eagle3.errors import Eagle3Error
+from eagle3.features import FeatureDataset
+
+log = logging.getLogger("eagle3")
+
+
+# ------------------------------------------------------------------- datasets
+def check_features_match_target(metadata: dict, target: Any, dirs: list[Path]) -> list[int]:
+    """The features must come from the configured target; returns their aux ids.
+
+    Args:
+        metadata: the ``metadata`` block of the first features manifest (its ``target``
+            record and ``aux_layer_ids``, as the extract stage writes them).
+        target: a ``TargetInfo`` (``name``, ``content_hash``, ``hidden_size``,
+            ``vocab_size``, ``aux_layer_ids``).
+        dirs: the features folders (the first one is named in errors).
+
+    Raises:
+        Eagle3Error: content hash, hidden size, vocabulary or aux layer ids differ.
+    """
+    t = metadata.get("target") or {}
+    name = dirs[0]
+    if t.get("content_hash") and getattr(target, "content_hash", None) and t["content_hash"] != target.content_hash:
+        raise Eagle3Error(
+            f"features in {name} were extracted from target weights {t['content_hash']} but model={target.name} "
+            f"resolves to {target.content_hash}; train with the model the features came from"
+        )
+    for key in ("hidden_size", "vocab_size"):
+        if t.get(key) is not None and int(t[key]) != int(getattr(target, key)):
+            raise Eagle3Error(f"features in {name} have target {key}={t[key]}, model={target.name} has {getattr(target, key)}")
+    aux = metadata.get("aux_layer_ids")
+    if aux is None:
+        raise Eagle3Error(f"the manifest of {name} does not record aux_layer_ids; re-run extract.py")
+    if list(aux) != list(target.aux_layer_ids):
+        raise Eagle3Error(
+            f"features in {name} hold aux layers {list(aux)} but model.aux_layer_ids resolves to "
+            f"{list(target.aux_layer_ids)}; set model.aux_layer_ids={list(aux)} or re-extract"
+        )
+    return list(aux)
+
+
+def open_datasets(dirs: list[Path], target: Any) -> tuple[FeatureDataset, FeatureDataset, list[int]]:
+    """The training split (shards checksum-verified), the validation split, and the aux layer ids.
+
+    Raises:
+        Eagle3Error: a missing, empty, unfinished or incompatible features folder
+            (:class:`~eagle3.features.FeatureDataset`), no training samples, features of
+            another target (:func:`check_features_match_target`), or aux states whose width
+            is not the target's hidden size.
+    """
+    train_ds = FeatureDataset(dirs, splits=("train",))
+    if len(train_ds) == 0:
+        raise Eagle3Error(f"features in {', '.join(map(str, dirs))} hold no training samples; extract more data")
+    val_ds = FeatureDataset(dirs, splits=("validation",), verify=False)
+    aux_ids = check_features_match_target(train_ds.metadata, target, dirs)
+    h_feat = train_ds[0]["aux_hidden_states"].shape[-1]
+    if h_feat != target.hidden_size:
+        raise Eagle3Error(f"features hold aux states of width {h_feat}, the target's hidden size is {target.hidden_size}")
+    return train_ds, val_ds, aux_ids
+
+
+def warn_on_degenerate_loss_mask(manifests: list[dict]) -> None:
+    """Log a warning when over 99% of the training tokens carry loss (prompts masked in by mistake)."""
+    masked = sum(sh["masked_tokens"] for m in manifests for sh in m["shards"])
+    total = sum(sh["tokens"] for m in manifests for sh in m["shards"])
+    if total and masked / total > 0.99:
+        log.warning("%.1f%% of the tokens carry loss: the loss mask looks degenerate (prompts included?)",
+                    100 * masked / total)
+
+
+# ------------------------------------------------------------------- batching
+def length_bucketed_batches(lengths: Sequence[int], max_tokens: int, seed: int, epoch: int,
+                            pool: int = 512) -> list[list[int]]:
+    """Batches of sample indices whose padded size ``B * max(len)`` fits ``max_tokens``.
+
+    Deterministic in ``(seed, epoch)``: shuffle, cut into pools of ``pool`` samples,
+    sort each pool by length, pack greedily, shuffle the batches. Samples longer than
+    ``max_tokens`` form a batch alone (and are cut to ``max_tokens`` by the collator).
+    """
+    g = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(epoch))
+    order = torch.randperm(len(lengths), generator=g).tolist()
+    batches: list[list[int]] = []
+    for i in range(0, len(order), pool):
+        chunk = sorted(order[i : i + pool], key=lambda j: (-min(lengths[j], max_tokens), j))
+        cur: list[int] = []
+        longest = 0
+        for j in chunk:
+            n = min(lengths[j], max_tokens)
+            if cur and (len(cur) + 1) * max(longest, n) > max_tokens:
+                batches.append(cur)
+                cur, longest = [], 0
+            cur.append(j)
+            longest = max(longest, n)
+        if cur:
+            batches.append(cur)
+    perm = torch.randperm(len(batches), generator=g).tolist()
+    return [batches[p] for p in perm]
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """The run's global micro-batch plan: which samples every optimizer step trains on.
+
+    Attributes:
+        lengths: token count of each training sample (``FeatureDataset.lengths``).
+        max_tokens: padded-token budget of one micro-batch.
+        seed: the run's seed (the order is a pure function of ``(seed, epoch)``).
+        grad_accum: micro-batches per process in one optimizer step.
+        world: the number of processes.
+    """
+
+    lengths: Sequence[int]
+    max_tokens: int
+    seed: int
+    grad_accum: int
+    world: int
+
+    @property
+    def per_step(self) -> int:
+        """Micro-batches in one optimizer step, over all processes."""
+        return self.grad_accum * self.world
+
+    def batches_of(self, epoch: int) -> list[list[int]]:
+        """The epoch's global micro-batch list, cut to whole optimizer steps. Micro-batch
+        ``i`` goes to process ``i % world``, so step ``k`` trains on global micro-batches
+        ``k*per_step .. (k+1)*per_step - 1`` whatever the split between processes and
+        accumulation: N processes x grad_accum g equal one process x grad_accum N*g."""
+        b = length_bucketed_batches(self.lengths, self.max_tokens, self.seed, epoch)
+        return b[: len(b) - len(b) % self.per_step]
+
+    def steps_per_epoch(self, epochs: int) -> list[int]:
+        """Optimizer steps in each of the first ``max(1, epochs)`` epochs."""
+        return [len(self.batches_of(e)) // self.per_step for e in range(max(1, epochs))]
+
+    def round_tokens(self, epoch_batches: list[list[int]], first: int) -> int:
+        """Tokens (each sample cut to ``max_tokens``) of the ``world`` global micro-batches
+        ``first .. first + world - 1``: one round, one micro-batch per process."""
+        return sum(min(self.lengths[j], self.max_tokens) for b in epoch_batches[first : first + self.world] for j in b)
+
+
+def make_loader(ds: FeatureDataset, batch_lists: list[list[int]], collate_fn: Callable, num_workers: int,
+                pin_memory: bool) -> torch.utils.data.DataLoader:
+    """A ``DataLoader`` that yields ``collate_fn`` of each batch of ``batch_lists``, in order."""
+    return torch.utils.data.DataLoader(
+        ds, batch_sampler=batch_lists, collate_fn=collate_fn, num_workers=num_workers, pin_memory=pin_memory,
+        persistent_workers=False,
+    )

@@ -1,0 +1,173 @@
+"""The end of a training run: the last checkpoint, the final validation, the exports and ``metrics.json``.
+
+:func:`finish` writes the checkpoint of the last step (unless it exists), validates once
+more, exports the drafter for SGLang (``<output_dir>/export/sglang``) and, where the
+optional ``speculators`` package is installed, for vLLM (``export/speculators``), writes
+``<output_dir>/metrics.json`` and records the job in a Hydra sweep's summary.
+:func:`stop` is the end of a run stopped early: a checkpoint and nothing else.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import time
+from dataclasses import asdict
+from typing import Any, Optional
+
+import torch
+
+from eagle3.io import write_json_atomic
+from eagle3.train.build import Run
+from eagle3.train.checkpoint import checkpoint_name, latest_checkpoint, save_checkpoint
+from eagle3.train.drafter import Eagle3Drafter
+from eagle3.train.loop import Progress
+from eagle3.train.validation import validate
+
+log = logging.getLogger("eagle3")
+
+
+def stop(run: Run) -> dict:
+    """Checkpoint a run stopped by ``stop_after`` and close its trackers; no export, no metrics.
+
+    Returns:
+        ``{"interrupted": True, "step": optimizer steps done, "output_dir": str}``.
+    """
+    save_checkpoint(run.accelerator, run.output_dir, run.state.step)
+    run.accelerator.end_training()
+    return {"interrupted": True, "step": run.state.step, "output_dir": str(run.output_dir)}
+
+
+def finish(run: Run, progress: Progress) -> dict:
+    """Checkpoint, final validation, exports and ``metrics.json`` of a run that reached its last step.
+
+    Every process calls it (the checkpoint, the validation and an FSDP gather are
+    collective); the main process exports and writes the files.
+
+    Returns:
+        The metrics (``metrics.json``; ``exports`` maps format to folder on the main process).
+    """
+    acc, state = run.accelerator, run.state
+    latest = latest_checkpoint(run.output_dir)
+    if latest is None or latest.name != checkpoint_name(state.step):
+        save_checkpoint(acc, run.output_dir, state.step)
+    last_val = progress.last_val
+    if last_val is None or run.cfg.loop.eval_every:
+        last_val = validate(run, state.step)
+    if last_val is None:
+        log.warning("the features hold no validation samples; metrics.json has no validation block")
+    metrics = _metrics(run, progress, last_val)
+    final = _final_drafter(run)
+    if acc.is_main_process:
+        metrics["exports"] = _export(run, final, _export_meta(run))
+        write_json_atomic(run.output_dir / "metrics.json", metrics)
+        _record_sweep_job(metrics)
+    acc.wait_for_everyone()  # leave together: a process group torn down while a peer still exports can hang
+    acc.end_training()
+    if last_val is not None:
+        log.info("validation: acc per step %s, simulated tau %.3f",
+                 [round(a, 3) for a in last_val["step_acc"]], last_val["tau"])
+    return metrics
+
+
+def _metrics(run: Run, progress: Progress, last_val: Optional[dict]) -> dict:
+    """The content of ``metrics.json`` (exports aside): progress, validation, speed (tokens/s,
+    seconds), memory (GiB), and the settings that shaped the run."""
+    state, acc = run.state, run.accelerator
+    return {
+        "output_dir": str(run.output_dir),
+        "step": state.step,
+        "epoch": state.epoch,
+        "train_tokens": state.tokens,
+        "train": progress.last_train,
+        "validation": last_val,
+        "tokens_per_s": progress.session_tokens / progress.train_time if progress.train_time > 0 else None,
+        "num_processes": acc.num_processes,
+        "distributed_type": str(acc.distributed_type.value),
+        "train_time_s": progress.train_time,
+        "wall_time_s": time.perf_counter() - run.started,
+        "skipped_nonfinite": state.skipped_nonfinite,
+        "draft_vocab_coverage": run.coverage,
+        "device": str(acc.device),
+        "mixed_precision": run.mixed_precision,
+        "drafter": asdict(run.arch),
+        "max_tokens_per_batch": run.max_tokens,
+        "ttt_steps": run.cfg.drafter.ttt_steps,
+        **_peak_memory(),
+    }
+
+
+def _export_meta(run: Run) -> dict:
+    """The provenance every export carries (``eagle3_meta.json``): the target as the features
+    recorded it, the chat template hash, aux layer ids, features folders and manifest hashes."""
+    target, dirs, record = run.target, run.dirs, run.record
+    first = run.train_ds.manifests[0]
+    return {
+        "target": {
+            "name": target.name,
+            "source": getattr(target, "source", None),
+            "path": getattr(target, "path", None),
+            "content_hash": (first["metadata"].get("target") or {}).get("content_hash", target.content_hash),
+            "quantization": (first["metadata"].get("target") or {}).get("quantization", target.quantization),
+            "architecture": target.architecture,
+        },
+        "chat_template_hash": first["metadata"].get("chat_template_hash"),
+        "aux_layer_ids": run.aux_ids,
+        "features_dir": str(dirs[0]) if len(dirs) == 1 else [str(d) for d in dirs],
+        "features_manifest_sha256": record["features"][0]["manifest_sha256"] if len(dirs) == 1
+        else [f["manifest_sha256"] for f in record["features"]],
+        "draft_vocab_size": run.arch.draft_vocab_size,
+        "ttt_steps": run.cfg.drafter.ttt_steps,
+        "train_step": run.state.step,
+    }
+
+
+def _final_drafter(run: Run) -> Eagle3Drafter:
+    """The trained drafter; under FSDP a full copy gathered on the main process (every process calls)."""
+    acc = run.accelerator
+    final = acc.unwrap_model(run.model).drafter
+    if acc.distributed_type.value == "FSDP":  # sharded parameters: gather a full copy (every process calls)
+        full = acc.get_state_dict(run.model)
+        if acc.is_main_process:
+            final = Eagle3Drafter(run.arch)
+            final.load_state_dict({k[len("drafter."):]: v for k, v in full.items() if k.startswith("drafter.")})
+    return final
+
+
+def _export(run: Run, final: Eagle3Drafter, meta: dict) -> dict[str, str]:
+    """Write the exports ``export.*`` asks for; returns ``{format: folder}``."""
+    exports: dict[str, str] = {}
+    if run.cfg.export.sglang:
+        from eagle3.export import export_sglang
+
+        exports["sglang"] = str(export_sglang(final, run.output_dir / "export" / "sglang", meta))
+    if run.cfg.export.speculators:
+        from eagle3.export import export_speculators, speculators_available
+
+        if speculators_available():
+            exports["speculators"] = str(
+                export_speculators(final, run.output_dir / "export" / "speculators", meta, run.cfg.drafter.ttt_steps))
+        else:
+            log.info("speculators is not installed: skipping export/speculators (pip install speculators)")
+    return exports
+
+
+def _peak_memory() -> dict:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return {"peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30, "peak_memory_kind": "cuda_max_allocated"}
+    return {"peak_memory_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "peak_memory_kind": "process_max_rss"}
+
+
+def _record_sweep_job(metrics: dict) -> None:
+    try:
+        from eagle3.sweep import record_job_summary
+    except ImportError:
+        return
+    val = metrics.get("validation") or {}
+    summary: dict[str, Any] = {"tau": val.get("tau"), "val_loss": val.get("loss")}
+    for j, a in enumerate(val.get("step_acc") or []):
+        summary[f"acc_{j}"] = a
+    summary["tokens_per_s"] = metrics.get("tokens_per_s")
+    summary["peak_mem_gb"] = metrics.get("peak_memory_gb")
+    record_job_summary(summary, metrics_path=os.path.join(metrics["output_dir"], "metrics.json"))

@@ -1,0 +1,69 @@
+"""Validation of the drafter during and after training: metrics over the validation split, logged.
+
+:func:`evaluate` runs the training-time test unroll (:mod:`eagle3.train.ttt`) without
+gradients over a loader and sums its statistics over all processes; :func:`validate` does
+that for a run's validation batches and logs the result to the tracker and the log.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from eagle3.train.ttt import TTTModel, batch_to, summarize
+
+if TYPE_CHECKING:
+    from eagle3.train.build import Run
+
+log = logging.getLogger("eagle3")
+
+
+@torch.no_grad()
+def evaluate(accelerator, model: TTTModel, loader, step_weight: float) -> Optional[dict]:
+    """Validation metrics (:func:`eagle3.train.ttt.summarize`) over ``loader``; None if empty.
+
+    Every process evaluates its own batches under ``accelerator.autocast()`` and the
+    statistics are summed over processes (``accelerator.reduce``), so every process gets
+    the metrics of all the batches: ``loss``, per-step ``step_loss``/``step_acc``,
+    simulated ``tau`` and ``samples``. The drafter's train/eval mode is restored.
+    """
+    drafter = accelerator.unwrap_model(model).drafter
+    was_training = drafter.training
+    drafter.eval()
+    stats, accepted, chains, samples = None, None, 0, 0
+    for batch in loader:
+        if not batch["sample_ids"]:
+            continue
+        batch = batch_to(batch, accelerator.device)
+        with accelerator.autocast():
+            out = accelerator.unwrap_model(model)(batch)
+        stats = out.step_stats if stats is None else stats + out.step_stats
+        accepted = out.accepted if accepted is None else accepted + out.accepted
+        chains += out.num_chains
+        samples += len(batch["sample_ids"])
+    drafter.train(was_training)
+    if stats is None:
+        return None
+    totals = accelerator.reduce(torch.tensor([float(accepted), chains, samples], device=stats.device), "sum")
+    stats = accelerator.reduce(stats, "sum")
+    m = summarize(stats, float(totals[0]), int(totals[1]), step_weight)
+    m["samples"] = int(totals[2])
+    return m
+
+
+def validate(run: "Run", step: int) -> Optional[dict]:
+    """:func:`evaluate` over the run's validation batches, logged as ``val/*`` at optimizer
+    step ``step``; None when the features hold no validation samples."""
+    if not run.val_batches:
+        return None
+    m = evaluate(run.accelerator, run.model, run.loader(run.val_ds, run.val_batches), run.cfg.drafter.step_weight)
+    if m is not None:
+        logs = {"val/loss": m["loss"], "val/tau": m["tau"]}
+        for j, a in enumerate(m["step_acc"]):
+            logs[f"val/acc_{j}"] = a
+        run.accelerator.log(logs, step=step)
+        log.info("step %d validation: loss %.4f, acc %s, tau %.3f", step, m["loss"],
+                 [round(a, 3) for a in m["step_acc"]], m["tau"])
+    return m
