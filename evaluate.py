@@ -16,7 +16,8 @@ def main(cfg):
 if __name__ == "__main__":
     from pathlib import Path
 
-    from eagle3.cli import exit_on_unknown_choice
+    from eagle3.cli import exit_on_bad_output_dir, exit_on_unknown_choice
 
     exit_on_unknown_choice(Path(__file__).resolve().parent / "conf", "evaluate")
+    exit_on_bad_output_dir()
     main()

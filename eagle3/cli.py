@@ -1,4 +1,4 @@
-"""Glue shared by the thin Hydra entry points: the config check before Hydra starts, running a stage."""
+"""Glue shared by the thin Hydra entry points: the command-line checks before Hydra starts, running a stage."""
 
 from __future__ import annotations
 
@@ -74,6 +74,55 @@ def exit_on_unknown_choice(conf_dir: Path, config_name: str, argv: Optional[Sequ
     in one of the groups of ``<config_name>.yaml``."""
     overrides = list(sys.argv[1:] if argv is None else argv)
     problem = unknown_group_choice(overrides, conf_dir, config_groups(conf_dir, config_name))
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
+
+
+def output_dir_problem(path: str | Path) -> Optional[str]:
+    """One sentence when the folder ``path`` cannot be created or used because it, or a
+    folder above it, is an existing file (not a folder); None otherwise."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        return f"output_dir={p} is an existing file, not a folder; pass output_dir= a folder path, or move that file away"
+    for parent in p.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                return (f"output_dir={p} lies inside {parent}, which is a file, not a folder; "
+                        "pass output_dir= a folder path, or move that file away")
+            break
+    return None
+
+
+def output_dir_override_problem(overrides: Sequence[str]) -> Optional[str]:
+    """:func:`output_dir_problem` of an ``output_dir=PATH`` override (``+`` / ``++`` prefixed
+    too; each path of a ``--multirun`` comma list), or None.
+
+    Hydra creates ``output_dir`` as its run folder (``hydra.run.dir: ${output_dir}``)
+    before the stage starts and fails with a traceback when it names a file; the entry
+    points check the command line first. Interpolations (``${...}``) are left to Hydra.
+    """
+    for ov in overrides:
+        key, sep, value = ov.lstrip("+").partition("=")
+        if not sep or key != "output_dir":
+            continue
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        if not value or "${" in value:
+            continue
+        for candidate in [value] + (value.split(",") if "," in value else []):
+            problem = output_dir_problem(candidate.strip()) if candidate.strip() else None
+            if problem:
+                return problem
+    return None
+
+
+def exit_on_bad_output_dir(argv: Optional[Sequence[str]] = None) -> None:
+    """Before Hydra starts: exit with code 2 and one line on stderr when the command line
+    (``argv``, default ``sys.argv[1:]``) sets ``output_dir=`` to an existing file (or a
+    path under one), which Hydra could not create as its run folder."""
+    problem = output_dir_override_problem(list(sys.argv[1:] if argv is None else argv))
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         sys.exit(2)

@@ -1,4 +1,4 @@
-"""The entry points' command-line check: an unknown config choice is one line and exit code 2, before Hydra runs."""
+"""The entry points' command-line checks: an unknown config choice, an output_dir that is a file: one line and exit code 2, before Hydra runs."""
 
 import subprocess
 import sys
@@ -45,3 +45,31 @@ def test_an_unknown_choice_is_one_line_and_exit_code_2(script, override, names):
     assert err.startswith(f"error: {group} 'nope' is unknown; available {group} configs: ")
     for name in names:
         assert name in err
+
+
+def test_an_output_dir_override_naming_a_file_is_found(tmp_path):
+    from eagle3.cli import output_dir_override_problem
+
+    f = tmp_path / "notes.txt"
+    f.write_text("x")
+    is_file = f"output_dir={f} is an existing file, not a folder; pass output_dir= a folder path, or move that file away"
+    for ov in (f"output_dir={f}", f"+output_dir={f}", f"++output_dir='{f}'", f'output_dir="{f}"'):
+        assert output_dir_override_problem(["data.limit=2", ov]) == is_file, ov
+    assert output_dir_override_problem(["-m", f"output_dir={tmp_path / 'a'},{f}"]) == is_file
+    assert output_dir_override_problem([f"output_dir={f}/sub/run"]) == (
+        f"output_dir={f}/sub/run lies inside {f}, which is a file, not a folder; "
+        "pass output_dir= a folder path, or move that file away")
+    for ok in (f"output_dir={tmp_path}", f"output_dir={tmp_path / 'new' / 'run'}", "output_dir=${oc.env:HOME}/x",
+               f"features_dir={f}", "output_dir="):
+        assert output_dir_override_problem([ok]) is None, ok
+
+
+@pytest.mark.parametrize("script", ["extract.py", "train.py", "evaluate.py"])
+def test_an_output_dir_that_is_a_file_is_one_line_and_exit_code_2(script, tmp_path):
+    f = tmp_path / "results.json"
+    f.write_text("{}")
+    r = subprocess.run([sys.executable, script, f"output_dir={f}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr == (f"error: output_dir={f} is an existing file, not a folder; pass output_dir= a folder path, "
+                        "or move that file away\n")
+    assert f.read_text() == "{}"

@@ -412,3 +412,129 @@ def test_bf16_on_a_cpu_without_native_bf16_is_flagged(monkeypatch, caplog):
         with caplog.at_level("WARNING", logger="eagle3"):
             _warn_slow_cpu_bf16(cfg)
         assert ("experiment=extract-cpu" in caplog.text) == expect, (native, dtype)
+
+
+def test_an_output_dir_that_is_a_file_fails_before_the_target_loads(tiny_target_dir, tmp_path, monkeypatch):
+    import eagle3.extract.run as run
+
+    def no_target(*a, **k):
+        raise AssertionError("the target was resolved before the output_dir check")
+
+    monkeypatch.setattr(run, "resolve_target", no_target)
+    data = _write_jsonl(tmp_path / "chats.jsonl", CHATS[:2])
+    f = tmp_path / "out.txt"
+    f.write_text("keep me")
+    for out, msg in (
+        (f, f"output_dir={f} is an existing file, not a folder; pass output_dir= a folder path, or move that file away"),
+        (f / "run", f"output_dir={f / 'run'} lies inside {f}, which is a file, not a folder; pass output_dir= a folder "
+                    "path, or move that file away"),
+    ):
+        cfg = _cfg(tiny_target_dir, tmp_path, data, out)
+        with pytest.raises(Eagle3Error) as e:
+            run_extract(cfg)
+        assert str(e.value) == msg
+        cfg.parallel.workers = 2  # the data-parallel orchestrator checks it too
+        with pytest.raises(Eagle3Error) as e:
+            run_extract(cfg)
+        assert str(e.value) == msg
+    assert f.read_text() == "keep me"
+
+
+def test_an_empty_prompt_file_is_named_not_blamed_on_the_splits(tiny_target_dir, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    out = tmp_path / "out"
+    with pytest.raises(Eagle3Error) as e:
+        run_extract(_cfg(tiny_target_dir, tmp_path, empty, out))
+    assert str(e.value) == f'{empty} is empty; give one {{"messages": [...]}} object per line'
+    sg = tmp_path / "sg.json"
+    sg.write_text(json.dumps([{"id": str(i), "conversations": [{"from": "gpt", "value": "hi"}]} for i in range(4)]))
+    cfg = _cfg(tiny_target_dir, tmp_path, sg, out)
+    cfg.data.source = "sharegpt_json"
+    with pytest.raises(Eagle3Error) as e:
+        run_extract(cfg)
+    assert str(e.value) == (f"{sg} holds no usable conversation: none of its 4 records qualifies (4 have no human "
+                            "turn before the first gpt turn); start each conversation with a human turn")
+    # prompts that all fall outside data.splits: the splits are to blame, and the message counts them
+    data = _write_jsonl(tmp_path / "chats.jsonl", CHATS[:3])
+    cfg = _cfg(tiny_target_dir, tmp_path, data, out)
+    cfg.data.validation_fraction, cfg.data.splits = 0.0, ["validation"]
+    with pytest.raises(Eagle3Error) as e:
+        run_extract(cfg)
+    assert str(e.value) == ("none of the 3 conversations of data=chats is in data.splits ['validation'] (by split: "
+                            "train 3, validation 0, test 0); change data.splits or data.validation_fraction / "
+                            "data.test_fraction")
+    assert not out.exists()
+
+
+class _CountingEngine:
+    """Wraps an engine and records the prompts it was asked to generate and the sequences it captured."""
+
+    def __init__(self, engine):
+        self.engine, self.prompts, self.captured = engine, [], []
+
+    def info(self):
+        return self.engine.info()
+
+    def generate(self, prompts, sampling):
+        self.prompts += [list(p) for p in prompts]
+        return self.engine.generate(prompts, sampling)
+
+    def capture(self, sequences, top_k):
+        self.captured += [list(s) for s in sequences]
+        return self.engine.capture(sequences, top_k)
+
+    def close(self):
+        self.engine.close()
+
+
+def _files(d):
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(Path(d).rglob("*")) if p.is_file()}
+
+
+def test_a_resume_after_a_corrupt_shard_redoes_only_that_shard(tiny_target_dir, tmp_path, monkeypatch):
+    import shutil
+
+    import eagle3.extract.run as run
+
+    data = _write_jsonl(tmp_path / "chats.jsonl", CHATS)
+    cfg = _cfg(tiny_target_dir, tmp_path, data, tmp_path / "out")
+    engines = []
+    real_build = run.build_engine
+    monkeypatch.setattr(run, "build_engine", lambda *a: engines.append(_CountingEngine(real_build(*a))) or engines[-1])
+    run_extract(cfg)
+    first = engines[-1]
+    assert first.prompts  # the first run generated the replies
+    shutil.copytree(tmp_path / "out", tmp_path / "uninterrupted")
+    m = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert [s["index"] for s in m["shards"]] == [0, 1, 2]  # one generation window of three shards
+    bad = m["shards"][1]
+    shard = tmp_path / "out" / bad["file"]
+    shard.write_bytes(shard.read_bytes()[:-5] + b"xxxxx")
+
+    resumed = run_extract(cfg)
+    eng = engines[-1]
+    assert eng.prompts == []  # nothing regenerated: the replies of the window were recorded
+    held = load_file(str(tmp_path / "uninterrupted" / bad["file"]))
+    off = held["offsets"].tolist()
+    assert eng.captured == [held["input_ids"][a:b].tolist() for a, b in zip(off, off[1:])]  # that shard's samples only
+    assert len(eng.captured) == len(bad["samples"]) >= 2
+    assert resumed["this_run"]["resumed_shards"] == 2 and resumed["this_run"]["generated_tokens"] == 0
+    assert resumed["generated_tokens"] == m["summary"]["generated_tokens"] > 0
+    before, after = _files(tmp_path / "uninterrupted"), _files(tmp_path / "out")
+    assert before.keys() == after.keys() and any(k.startswith("replies/") for k in after)
+    for name in before:
+        if name != "manifest.json":
+            assert after[name] == before[name], name  # byte for byte
+    a, b = json.loads(before["manifest.json"]), json.loads(after["manifest.json"])
+    a["summary"].pop("this_run"), b["summary"].pop("this_run")
+    assert a == b  # the shards' sha256 included
+
+    # without the record (or with a damaged one) the window is generated again as a whole, with the same result
+    replies = next((tmp_path / "out" / "replies").iterdir())
+    replies.write_text(replies.read_text().replace("assistant", "assistanT", 1))
+    shard.write_bytes(b"garbage")
+    run_extract(cfg)
+    assert sorted(map(tuple, engines[-1].prompts)) == sorted(map(tuple, first.prompts))
+    after = _files(tmp_path / "out")
+    assert all(after[name] == before[name] for name in before if name != "manifest.json")

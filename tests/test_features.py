@@ -120,3 +120,53 @@ def test_missing_folder_and_incompatible(tmp_path):
     with pytest.raises(Eagle3Error, match="content_hash"):
         FeatureDataset([tmp_path / "a", tmp_path / "b"])
     assert len(FeatureDataset([tmp_path / "a", tmp_path / "a"])) == 6
+
+
+def _drop(key):
+    def damage(m):
+        del m[key]
+        return json.dumps(m).encode()
+    return damage
+
+
+def _drop_shard_key(key):
+    def damage(m):
+        del m["shards"][1][key]
+        return json.dumps(m).encode()
+    return damage
+
+
+@pytest.mark.parametrize(
+    "damage, what",
+    [
+        (_drop("shards"), "it has no 'shards' entry"),
+        (_drop("plan"), "it has no 'plan' entry"),
+        (_drop("samples_per_shard"), "it has no 'samples_per_shard' entry"),
+        (_drop("format"), "it has no 'format' entry"),
+        (_drop_shard_key("sha256"), "shards entry 1 has no 'sha256'"),
+        (lambda m: json.dumps(dict(m, shards={"0": m["shards"][0]})).encode(), "its 'shards' entry is not a JSON list"),
+        (lambda m: json.dumps(m).encode()[:-40], "not valid JSON: "),
+        (lambda m: json.dumps(m["shards"]).encode(), "it is not a JSON object"),
+        (lambda m: b'{"format": "\xff' + json.dumps(m).encode()[13:], "byte 12 is not UTF-8"),
+    ],
+)
+def test_a_damaged_manifest_names_the_file_what_is_missing_and_what_to_do(tmp_path, damage, what):
+    d = tmp_path / "d"
+    write_all(d, stop_after=2)  # an unfinished extraction, as a resume finds it
+    path = d / "manifest.json"
+    path.write_bytes(damage(json.loads(path.read_text())))
+    before = {f.name: f.read_bytes() for f in d.iterdir()}
+    expected = (f"the features manifest {path} is damaged ({what}"), (
+        f"); re-run extract.py into a fresh output_dir, or delete {path} to extract that folder again")
+    for call in (
+        lambda: load_manifest(d, require_complete=False),
+        lambda: FeatureDataset(d),  # training opens the folder
+        lambda: FeatureWriter.open(d, META, PLAN, samples_per_shard=2),  # a resume opens it
+    ):
+        with pytest.raises(Eagle3Error) as e:
+            call()
+        msg = str(e.value)
+        assert msg.startswith(expected[0]) and msg.endswith(expected[1]) and "\n" not in msg, msg
+    assert {f.name: f.read_bytes() for f in d.iterdir()} == before  # nothing touched
+    path.unlink()  # what the message says to do: the folder is extracted again, as an uninterrupted run
+    assert json.dumps(write_all(d)["shards"]) == json.dumps(write_all(tmp_path / "full")["shards"])

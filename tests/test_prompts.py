@@ -158,3 +158,77 @@ def test_sharegpt_benchmark_is_the_test_split_and_refuses_leaks():
     leaked = dict(manifest, plan=[[sg["id"][3], "train"]])
     with pytest.raises(Eagle3Error, match="used in training"):
         load_benchmark("sharegpt", cfg, leaked)
+
+
+def _bad_utf8(path, first: bytes, second_head: bytes):
+    """Write ``first`` then a line ``second_head + b"\\xff..."``; return the bad byte's offset."""
+    path.write_bytes(first + second_head + b'\xff\xfe"]}\n')
+    return len(first) + len(second_head)
+
+
+@pytest.mark.parametrize(
+    "source, name, first, head",
+    [
+        ("jsonl", "chats.jsonl", b'{"messages": [{"role": "user", "content": "ok"}]}\n',
+         b'{"messages": [{"role": "user", "content": "caf'),
+        ("sharegpt_json", "sg.json", b'[{"id": "a", "conversations": [{"from": "human", "value": "hi"}]},\n',
+         b'{"id": "b", "conversations": [{"from": "human", "value": "caf'),
+        ("mtbench", "question.jsonl", b'{"question_id": 1, "category": "x", "turns": ["a"]}\n',
+         b'{"question_id": 2, "category": "x", "turns": ["caf'),
+    ],
+)
+def test_a_prompt_file_that_is_not_utf8_names_file_line_and_byte(tmp_path, source, name, first, head):
+    p = tmp_path / name
+    offset = _bad_utf8(p, first, head)
+    col = len(head) + 1
+    expected = (f"{p}:2: byte 0xff at byte offset {offset} (column {col} of line 2) is not valid UTF-8; "
+                "save the file as UTF-8 or fix that line")
+    with pytest.raises(Eagle3Error) as e:
+        load_conversations(DataConfig(name="c", source=source, path=str(p)))
+    assert str(e.value) == expected
+    if source == "mtbench":  # the MT-Bench benchmark reads the same file
+        with pytest.raises(Eagle3Error) as e:
+            load_benchmark("mtbench", BenchmarksConfig(mtbench_path=str(p)))
+        assert str(e.value) == expected
+
+
+def test_a_gzipped_jsonl_that_is_not_utf8_names_the_line(tmp_path):
+    import gzip
+
+    p = tmp_path / "chats.jsonl.gz"
+    first = b'{"messages": [{"role": "user", "content": "ok"}]}\r\n\r\n'  # CRLF line ends count as in text mode
+    head = b'{"messages": [{"role": "user", "content": "'
+    with gzip.open(p, "wb") as fh:
+        fh.write(first + head + b'\xc3"}]}\n')  # a lead byte without its continuation
+    with pytest.raises(Eagle3Error, match=rf"chats.jsonl.gz:3: byte 0xc3 at byte offset {len(first) + len(head)} "):
+        load_conversations(DataConfig(name="c", source="jsonl", path=str(p)))
+    with gzip.open(p, "wb") as fh:  # a valid one reads as before
+        fh.write(first + '{"messages": [{"role": "user", "content": "caf\u00e9"}]}\n'.encode())
+    ds = load_conversations(DataConfig(name="c", source="jsonl", path=str(p)))
+    assert ds["id"] == ["chats.jsonl-1", "chats.jsonl-3"] and ds[1]["messages"][0]["content"] == "caf\u00e9"
+
+
+@pytest.mark.parametrize(
+    "source, text, expected",
+    [
+        ("jsonl", "", '{p} is empty; give one {{"messages": [...]}} object per line'),
+        ("jsonl", "\n  \n\n", '{p} holds only blank lines; give one {{"messages": [...]}} object per line'),
+        ("mtbench", "", "{p} is empty; give one MT-Bench question (question_id, category, turns) per line"),
+        ("sharegpt_json", "", "{p} is empty; give a JSON array of ShareGPT conversations"),
+        ("sharegpt_json", " [ ]\n", "{p} holds an empty JSON array; give at least one ShareGPT conversation"),
+        ("sharegpt_json", '[{"id": "a", "conversations": [{"from": "human", "val',
+         "{p}: its first record is not valid JSON (cut off or malformed); fix the file"),
+        ("sharegpt_json", json.dumps([
+            {"id": "a", "conversations": [{"from": "gpt", "value": "x"}]},
+            {"id": "b", "conversations": [{"from": "gpt", "value": "y"}, {"from": "human", "value": "z"}]},
+            {"id": "c", "conversations": []},
+        ]), "{p} holds no usable conversation: none of its 3 records qualifies (2 have no human turn before the "
+            "first gpt turn, 1 have an empty conversation); start each conversation with a human turn"),
+    ],
+)
+def test_a_prompt_file_without_a_usable_conversation_says_so(tmp_path, source, text, expected):
+    p = tmp_path / "prompts.data"
+    p.write_text(text)
+    with pytest.raises(Eagle3Error) as e:
+        load_conversations(DataConfig(name="c", source=source, path=str(p)))
+    assert str(e.value) == expected.format(p=p)

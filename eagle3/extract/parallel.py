@@ -14,6 +14,7 @@ from pathlib import Path
 
 from eagle3 import features
 from eagle3.errors import Eagle3Error
+from eagle3.extract.shards import REPLIES_DIR
 from eagle3.extract.summary import STATS_FILE, _summary, format_summary, stats_part_name
 from eagle3.io import read_json, write_json_atomic
 from eagle3.paths import stage_output_dir
@@ -45,7 +46,7 @@ def run_parallel(cfg) -> dict:
     devices = worker_devices(str(cfg.engine.device), list(cfg.parallel.devices), n, "parallel.devices")
     out_dir = stage_output_dir(cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
-    for stale in out_dir.glob("*.tmp"):  # no worker is running yet
+    for stale in [*out_dir.glob("*.tmp"), *(out_dir / REPLIES_DIR).glob("*.tmp")]:  # no worker is running yet
         stale.unlink()
     target = resolve_target(cfg.model, Path(cfg.cache_dir))  # build the target (e.g. the INT4 checkpoint) once, not N times
     log.info("extract: %d workers on %s", n, ", ".join(devices))

@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 from eagle3 import features
+from eagle3.cli import output_dir_problem
 from eagle3.errors import Eagle3Error
 from eagle3.extract.regenerate import _plan_turns, keep_turns
 from eagle3.extract.summary import _human_bytes
@@ -30,6 +31,17 @@ def free_disk_bytes(path: Path) -> int:
     while not p.exists():
         p = p.parent
     return shutil.disk_usage(p).free
+
+
+def check_output_dir(out_dir: Path) -> None:
+    """Refuse an ``output_dir`` that is an existing file, or lies under one, before the target loads.
+
+    Raises:
+        Eagle3Error: naming the file and saying to pass a folder path.
+    """
+    problem = output_dir_problem(out_dir)
+    if problem:
+        raise Eagle3Error(problem)
 
 
 def _check_settings(cfg) -> None:

