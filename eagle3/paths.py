@@ -34,7 +34,11 @@ def hydra_job() -> Optional[HydraJob]:
         hc = HydraConfig.get()
     except Exception:  # noqa: BLE001  (ValueError when Hydra is not initialised)
         return None
-    return HydraJob(Path(hc.runtime.output_dir), hc.mode == RunMode.MULTIRUN, str(hc.job.num))
+    from omegaconf import OmegaConf
+
+    multirun = hc.mode == RunMode.MULTIRUN
+    num = OmegaConf.select(hc, "job.num", default=None, throw_on_missing=False)  # ??? in a single run
+    return HydraJob(Path(hc.runtime.output_dir), multirun, str(num) if multirun else "")
 
 
 def stage_output_dir(cfg: Any) -> Path:
