@@ -73,3 +73,35 @@ def test_stage_output_dir_outside_hydra_and_in_a_multirun_job(tmp_path):
 def test_features_dirs_splits_on_commas():
     cfg = type("C", (), {"features_dir": "a, b/c,,"})()
     assert features_dirs(cfg) == [Path("a"), Path("b/c")]
+
+
+def _extract(tmp_path, tiny_target_dir, *overrides):
+    import subprocess
+    import sys
+
+    (tmp_path / "chats.jsonl").write_text('{"messages":[{"role":"user","content":"Hi there"}]}\n'
+                                          '{"messages":[{"role":"user","content":"Count to three"}]}\n')
+    flags = [o for o in overrides if o.startswith("-")]
+    cmd = [sys.executable, str(CONF.parent / "extract.py"), *flags, "model=smollm2-135m-bf16", "model.name=tiny",
+           f"model.source={tiny_target_dir}", "data=jsonl", "data.path=chats.jsonl", "cache_dir=c",
+           *(o for o in overrides if not o.startswith("-"))]
+    r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_a_hydra_run_writes_its_record_beside_the_artifacts(tmp_path, tiny_target_dir):
+    """``python extract.py output_dir=f``: Hydra's record and log land in f, nothing else in the cwd."""
+    _extract(tmp_path, tiny_target_dir, "sampling.max_new_tokens=4", "output_dir=f")
+    out = tmp_path / "f"
+    assert (out / "manifest.json").is_file() and (out / ".hydra" / "config.yaml").is_file()
+    assert OmegaConf.load(out / ".hydra" / "config.yaml").output_dir == "f"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "chats.jsonl", "f"]
+
+
+def test_a_multirun_gives_each_job_its_own_folder(tmp_path, tiny_target_dir):
+    _extract(tmp_path, tiny_target_dir, "-m", "sampling.max_new_tokens=2,3", "output_dir=sweep")
+    for n, new_tokens in ((0, 2), (1, 3)):
+        job = tmp_path / "sweep" / str(n)
+        cfg = OmegaConf.load(job / ".hydra" / "config.yaml")
+        assert cfg.sampling.max_new_tokens == new_tokens and (job / "manifest.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "chats.jsonl", "sweep"]
