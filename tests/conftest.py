@@ -69,3 +69,15 @@ def tiny_target_dir(tmp_path_factory, tiny_tokenizer_dir):
     model.save_pretrained(d)
     tok.save_pretrained(d)
     return d
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run far faster on one thread (and do not fight other processes);
+    a module opts in with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

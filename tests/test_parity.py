@@ -36,13 +36,7 @@ DRAFT_VOCAB = 512  # >= the distinct target argmaxes of the captures: every row 
 TOP_K = 4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run far faster on one thread (and do not fight other processes)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_drafter(model, d2t: torch.Tensor, t2d: torch.Tensor, dtype: torch.dtype, seed: int = 1) -> Eagle3Drafter:

@@ -28,13 +28,7 @@ from eagle3.spec.target import _compact_cache
 V = 96
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run far faster on one thread (and do not fight other processes)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_target(vocab=V, layers=4, seed=0, init=0.2, attn="sdpa"):
