@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import torch
 
+from eagle3.errors import Eagle3Error
 from eagle3.io import write_json_atomic
 from eagle3.train.build import Run
 from eagle3.train.checkpoint import checkpoint_name, latest_checkpoint, save_checkpoint
@@ -39,6 +40,25 @@ def stop(run: Run) -> dict:
     return {"interrupted": True, "step": run.state.step, "output_dir": str(run.output_dir)}
 
 
+def _refuse_mostly_skipped(run: Run, progress: Progress) -> None:
+    """Stop before exporting when most samples trained on in this launch had non-finite features.
+
+    The counts are summed over processes, so every process raises or none does.
+
+    Raises:
+        Eagle3Error: more than half of the samples (all of them included) were skipped.
+    """
+    counts = torch.tensor([progress.session_skipped, progress.session_samples], dtype=torch.int64,
+                          device=run.accelerator.device)
+    skipped, seen = (int(x) for x in run.accelerator.reduce(counts, reduction="sum"))
+    if seen and 2 * skipped > seen:
+        raise Eagle3Error(
+            f"{skipped} of the {seen} training samples of this run had non-finite (NaN/inf) features and were "
+            f"skipped, so the drafter is untrained and nothing was exported; re-extract the features in "
+            f"{', '.join(map(str, run.dirs))} (their shards pass their checksums, so the values were written bad)"
+        )
+
+
 def finish(run: Run, progress: Progress) -> dict:
     """Checkpoint, final validation, exports and ``metrics.json`` of a run that reached its last step.
 
@@ -49,6 +69,7 @@ def finish(run: Run, progress: Progress) -> dict:
         The metrics (``metrics.json``; ``exports`` maps format to folder on the main process).
     """
     acc, state = run.accelerator, run.state
+    _refuse_mostly_skipped(run, progress)
     latest = latest_checkpoint(run.output_dir)
     if latest is None or latest.name != checkpoint_name(state.step):
         save_checkpoint(acc, run.output_dir, state.step)

@@ -12,6 +12,7 @@ process.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -24,6 +25,8 @@ from eagle3.train.build import Run
 from eagle3.train.checkpoint import save_checkpoint
 from eagle3.train.ttt import batch_to, summarize
 from eagle3.train.validation import validate
+
+log = logging.getLogger("eagle3")
 
 
 @dataclass
@@ -40,6 +43,8 @@ class Progress:
     last_val: Optional[dict] = None
     train_time: float = 0.0
     session_tokens: int = 0
+    session_samples: int = 0  # samples this process's micro-batches held, non-finite ones included
+    session_skipped: int = 0  # of those, skipped for non-finite features
     interrupted: bool = False
     _clock: float = 0.0
 
@@ -50,6 +55,16 @@ class Progress:
     def stop_clock(self) -> None:
         """Add the seconds since :meth:`start_clock` to ``train_time``."""
         self.train_time += time.perf_counter() - self._clock
+
+
+def _count_skipped(progress: Progress, batch: dict, step: int) -> None:
+    """Count the micro-batch's samples and warn, naming them, when non-finite features were skipped."""
+    skipped = int(batch["skipped_nonfinite"])
+    progress.session_samples += skipped + len(batch["sample_ids"])
+    progress.session_skipped += skipped
+    if skipped:
+        log.warning("step %d: skipped %d of %d samples of a micro-batch with non-finite features (%s)", step, skipped,
+                    skipped + len(batch["sample_ids"]), ", ".join(map(str, batch.get("skipped_ids", [])[:5])))
 
 
 class IntervalLog:
@@ -120,6 +135,7 @@ def train_loop(run: Run, stop_after: Optional[int] = None,
         for batch in _epoch_loader(run, epoch_batches):
             g0 = state.batch_in_epoch  # first global micro-batch of this round (one per process)
             state.skipped_nonfinite += batch["skipped_nonfinite"]
+            _count_skipped(progress, batch, state.step)
             if on_batch is not None:
                 on_batch(state.step, list(batch["sample_ids"]))
             _train_micro_batch(run, batch, interval)

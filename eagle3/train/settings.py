@@ -15,18 +15,60 @@ import torch
 from eagle3.errors import Eagle3Error
 from eagle3.train.drafter import DrafterArch
 
+MIXED_PRECISION = ("auto", "bf16", "fp16", "no")  # Accelerate's, plus auto (bf16 on CUDA, none on CPU)
+
+
+def _bad_setting(cfg: Any) -> Optional[str]:
+    """The first optimiser, loop or drafter setting no run can train with, as ``name=value; rule``."""
+    from transformers import SchedulerType  # the names transformers.get_scheduler takes
+
+    schedulers = [t.value for t in SchedulerType]
+    o, lp, d = cfg.optim, cfg.loop, cfg.drafter
+    betas = list(o.betas)
+    checks = [
+        ("optim.lr", o.lr, o.lr > 0, "must be > 0"),
+        ("optim.weight_decay", o.weight_decay, o.weight_decay >= 0, "must be >= 0"),
+        ("optim.betas", betas, len(betas) == 2 and all(0 <= b < 1 for b in betas), "must be two values in [0, 1)"),
+        ("optim.warmup_ratio", o.warmup_ratio, 0 <= o.warmup_ratio < 1, "must be in [0, 1)"),
+        ("optim.grad_clip", o.grad_clip, o.grad_clip > 0, "must be > 0"),
+        ("optim.scheduler", o.scheduler, o.scheduler in schedulers, f"must be one of {', '.join(schedulers)}"),
+        ("loop.epochs", lp.epochs, lp.epochs >= 1, "must be >= 1"),
+        ("loop.max_steps", lp.max_steps, lp.max_steps is None or lp.max_steps >= 1, "must be >= 1 or null"),
+        ("loop.max_tokens_per_batch", lp.max_tokens_per_batch,
+         lp.max_tokens_per_batch is None or lp.max_tokens_per_batch >= 8, "must be >= 8 or null"),
+        ("loop.grad_accum", lp.grad_accum, lp.grad_accum >= 1, "must be >= 1"),
+        ("loop.log_every", lp.log_every, lp.log_every >= 1, "must be >= 1"),
+        ("loop.save_every", lp.save_every, lp.save_every >= 1, "must be >= 1"),
+        ("loop.eval_every", lp.eval_every, lp.eval_every is None or lp.eval_every >= 1, "must be >= 1 or null"),
+        ("loop.num_workers", lp.num_workers, lp.num_workers >= 0, "must be >= 0"),
+        ("loop.mixed_precision", lp.mixed_precision, lp.mixed_precision in MIXED_PRECISION,
+         f"must be one of {', '.join(MIXED_PRECISION)}"),
+        ("loop.tracker", lp.tracker, lp.tracker in ("tensorboard", "none"), "must be tensorboard or none"),
+        ("drafter.ttt_steps", d.ttt_steps, d.ttt_steps >= 1, "must be >= 1"),
+        ("drafter.step_weight", d.step_weight, d.step_weight > 0, "must be > 0"),
+        ("drafter.lm_head_init", d.lm_head_init, d.lm_head_init in ("random", "target"), "must be random or target"),
+        ("drafter.num_layers", d.num_layers, d.num_layers >= 1, "must be >= 1"),
+    ]
+    for name, value, ok, rule in checks:
+        if not ok:
+            return f"{name}={value} {rule}"
+    return None
+
 
 def check_settings(cfg: Any) -> None:
-    """Settings of a :class:`eagle3.config.TrainConfig` that cannot train or export.
+    """Settings of a :class:`eagle3.config.TrainConfig` that cannot train or export,
+    refused before anything is read or written (so the corrected command can run in the
+    same output folder).
 
     Raises:
-        Eagle3Error: ``loop.grad_accum`` or ``drafter.ttt_steps`` below 1,
-            ``loop.max_tokens_per_batch`` below 8, or an SGLang export of a drafter with
-            more than one layer (SGLang serves one-layer EAGLE-3 drafters).
+        Eagle3Error: naming the one setting that is wrong (see :func:`_bad_setting`), or an
+            SGLang export of a drafter with more than one layer (SGLang serves one-layer
+            EAGLE-3 drafters).
     """
-    dcfg, lcfg = cfg.drafter, cfg.loop
-    if lcfg.grad_accum < 1 or (lcfg.max_tokens_per_batch or 8) < 8 or dcfg.ttt_steps < 1:
-        raise Eagle3Error("loop.grad_accum and drafter.ttt_steps must be >= 1, loop.max_tokens_per_batch >= 8")
+    problem = _bad_setting(cfg)
+    if problem:
+        raise Eagle3Error(f"{problem}; fix that setting")
+    dcfg = cfg.drafter
     if cfg.export.sglang and dcfg.num_layers != 1:
         raise Eagle3Error(
             f"drafter.num_layers={dcfg.num_layers}: SGLang serves one-layer EAGLE-3 drafters; "
@@ -45,8 +87,8 @@ def resolve_mixed_precision(setting: str, device: torch.device) -> str:
     Raises:
         Eagle3Error: an unknown setting.
     """
-    if setting not in ("auto", "bf16", "no", "fp16"):
-        raise Eagle3Error(f"loop.mixed_precision={setting!r}; use auto, bf16 or no")
+    if setting not in MIXED_PRECISION:
+        raise Eagle3Error(f"loop.mixed_precision={setting!r}; use {', '.join(MIXED_PRECISION)}")
     if setting == "auto":
         return "bf16" if device.type == "cuda" else "no"
     return setting

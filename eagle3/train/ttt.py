@@ -246,6 +246,7 @@ class TTTCollator:
             "num_tokens": sum(L),
             "num_chains": int(chain.sum()),
             "skipped_nonfinite": skipped,
+            "skipped_ids": [s.get("sample_id") for s in samples if not self.is_finite(s)] if skipped else [],
             "sample_ids": [s.get("sample_id") for s in good],
         }
 

@@ -1,0 +1,61 @@
+"""Bad training settings and garbage features: one sentence, nothing written, nothing exported."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from eagle3.errors import Eagle3Error
+from eagle3.train.run import train_drafter
+from toy import embed, make_cfg, tiny_target, write_features
+
+
+@pytest.mark.parametrize(
+    "setting, value",
+    [
+        ("optim.lr", -1.0), ("optim.lr", 0.0), ("optim.weight_decay", -0.1), ("optim.betas", [0.9, 1.0]),
+        ("optim.betas", [0.9]), ("optim.warmup_ratio", 1.0), ("optim.grad_clip", 0.0), ("optim.scheduler", "cosin"),
+        ("loop.epochs", 0), ("loop.max_steps", 0), ("loop.max_tokens_per_batch", 4), ("loop.grad_accum", 0),
+        ("loop.log_every", 0), ("loop.save_every", 0), ("loop.eval_every", 0), ("loop.num_workers", -1),
+        ("loop.mixed_precision", "fp8"), ("loop.tracker", "wandb"), ("drafter.ttt_steps", 0),
+        ("drafter.step_weight", 0.0), ("drafter.lm_head_init", "zeros"),
+    ],
+)
+def test_a_bad_setting_is_named_before_anything_is_written(tmp_path, setting, value):
+    write_features(tmp_path / "f", n=12)
+    out = tmp_path / "o"
+    with pytest.raises(Eagle3Error) as e:
+        train_drafter(make_cfg(tmp_path / "f", out, **{setting: value}), tiny_target(), embed())
+    msg = str(e.value)
+    assert msg.startswith(f"{setting}=") and "\n" not in msg, msg
+    assert not out.exists()  # no run record, no draft vocabulary: the corrected command may use this folder
+
+
+def test_the_corrected_command_runs_in_the_same_folder(tmp_path):
+    write_features(tmp_path / "f", n=12)
+    out = tmp_path / "o"
+    with pytest.raises(Eagle3Error, match="optim.lr=-1"):
+        train_drafter(make_cfg(tmp_path / "f", out, **{"optim.lr": -1.0}), tiny_target(), embed())
+    m = train_drafter(make_cfg(tmp_path / "f", out, **{"loop.max_steps": 2}), tiny_target(), embed())
+    assert m["step"] == 2 and (out / "export" / "sglang" / "model.safetensors").is_file()
+
+
+def test_features_that_are_mostly_nan_stop_the_run_before_any_export(tmp_path, caplog):
+    write_features(tmp_path / "f", n=12, nan_ids=tuple(f"s{i}" for i in range(12)))
+    out = tmp_path / "o"
+    with caplog.at_level(logging.WARNING, logger="eagle3"), pytest.raises(Eagle3Error, match="non-finite") as e:
+        train_drafter(make_cfg(tmp_path / "f", out, **{"loop.max_steps": 2}), tiny_target(), embed())
+    assert "nothing was exported" in str(e.value)
+    assert not (out / "export").exists() and not (out / "metrics.json").exists()
+    assert any("non-finite" in r.getMessage() for r in caplog.records)
+
+
+def test_a_few_nan_samples_are_trained_around_with_a_warning(tmp_path, caplog):
+    write_features(tmp_path / "f", n=12, nan_ids=("s1",))
+    out = tmp_path / "o"
+    with caplog.at_level(logging.WARNING, logger="eagle3"):
+        m = train_drafter(make_cfg(tmp_path / "f", out, **{"loop.epochs": 1}), tiny_target(), embed())
+    warned = [r.getMessage() for r in caplog.records if "non-finite" in r.getMessage()]
+    assert m["skipped_nonfinite"] == 1 and len(warned) == 1 and "s1" in warned[0]
+    assert (out / "export" / "sglang" / "model.safetensors").is_file()
