@@ -59,3 +59,17 @@ def test_a_few_nan_samples_are_trained_around_with_a_warning(tmp_path, caplog):
     warned = [r.getMessage() for r in caplog.records if "non-finite" in r.getMessage()]
     assert m["skipped_nonfinite"] == 1 and len(warned) == 1 and "s1" in warned[0]
     assert (out / "export" / "sglang" / "model.safetensors").is_file()
+
+
+def test_features_of_another_dtype_build_name_the_model_dtype_to_pass():
+    from pathlib import Path
+
+    from eagle3.train.data import check_features_match_target
+
+    meta = {"target": {"content_hash": "sha256:f32-build", "dtype": "float32"}, "aux_layer_ids": [2, 4, 5]}
+    bf16 = tiny_target(content_hash="sha256:bf16-build", dtype="bfloat16")
+    with pytest.raises(Eagle3Error, match=r"float32 build of the target, but model.dtype is bfloat16; pass model.dtype=float32"):
+        check_features_match_target(meta, bf16, [Path("f")])
+    # same dtype, other weights: the weight hashes are named, not the dtype
+    with pytest.raises(Eagle3Error, match="target weights sha256:f32-build"):
+        check_features_match_target(meta, tiny_target(content_hash="sha256:other", dtype="float32"), [Path("f")])

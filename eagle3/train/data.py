@@ -42,6 +42,12 @@ def check_features_match_target(metadata: dict, target: Any, dirs: list[Path]) -
     t = metadata.get("target") or {}
     name = dirs[0]
     if t.get("content_hash") and getattr(target, "content_hash", None) and t["content_hash"] != target.content_hash:
+        mine = getattr(target, "dtype", None)
+        if t.get("dtype") and mine and t["dtype"] != mine:  # e.g. the float32 build of the CPU preset
+            raise Eagle3Error(
+                f"features in {name} were extracted from the {t['dtype']} build of the target, but model.dtype is "
+                f"{mine}; pass model.dtype={t['dtype']}"
+            )
         raise Eagle3Error(
             f"features in {name} were extracted from target weights {t['content_hash']} but model={target.name} "
             f"resolves to {target.content_hash}; train with the model the features came from"
