@@ -46,6 +46,8 @@ def test_five_steps_equal_three_plus_resume_plus_two(tmp_path):
     rest = train_drafter(make_cfg(tmp_path / "f", tmp_path / "b", **over), tgt, E,
                          on_batch=lambda s, ids: order_b.append((s, ids)))
     assert rest["step"] == 5
+    # metrics.json says which steps its training metrics can cover: those after the resume
+    assert (full["launch_first_step"], rest["launch_first_step"]) == (0, 3)
     assert order_a == order_b  # same samples, same order, none repeated
     ca, cb = tmp_path / "a" / "checkpoints" / "step-00000005", tmp_path / "b" / "checkpoints" / "step-00000005"
     wa, wb = load_file(str(ca / "model.safetensors")), load_file(str(cb / "model.safetensors"))

@@ -101,7 +101,10 @@ def _metrics(run: Run, progress: Progress, last_val: Optional[dict]) -> dict:
         "step": state.step,
         "epoch": state.epoch,
         "train_tokens": state.tokens,
+        # the last log interval's training metrics; an interval never spans a resume, so after
+        # one they cover steps after launch_first_step only (validation covers the final drafter)
         "train": progress.last_train,
+        "launch_first_step": progress.first_step,
         "validation": last_val,
         "tokens_per_s": progress.session_tokens / progress.train_time if progress.train_time > 0 else None,
         "num_processes": acc.num_processes,

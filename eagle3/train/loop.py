@@ -43,6 +43,7 @@ class Progress:
     last_val: Optional[dict] = None
     train_time: float = 0.0
     session_tokens: int = 0
+    first_step: int = 0  # the optimizer step this launch started from (> 0 after a resume)
     session_samples: int = 0  # samples this process's micro-batches held, non-finite ones included
     session_skipped: int = 0  # of those, skipped for non-finite features
     interrupted: bool = False
@@ -118,7 +119,7 @@ def train_loop(run: Run, stop_after: Optional[int] = None,
     """
     acc, state, lcfg = run.accelerator, run.state, run.cfg.loop
     world = acc.num_processes
-    progress = Progress()
+    progress = Progress(first_step=state.step)
     pbar = tqdm(total=run.total_steps, initial=state.step, desc="train", unit="step",
                 disable=not acc.is_local_main_process)
     interval = IntervalLog(run, pbar)
