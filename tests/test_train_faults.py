@@ -15,7 +15,7 @@ from toy import embed, make_cfg, tiny_target, write_features
     "setting, value",
     [
         ("optim.lr", -1.0), ("optim.lr", 0.0), ("optim.weight_decay", -0.1), ("optim.betas", [0.9, 1.0]),
-        ("optim.betas", [0.9]), ("optim.warmup_ratio", 1.0), ("optim.grad_clip", 0.0), ("optim.scheduler", "cosin"),
+        ("optim.betas", [0.9]), ("optim.warmup_ratio", 1.0), ("optim.grad_clip", -1.0), ("optim.scheduler", "reduce_lr_on_plateau"), ("optim.scheduler", "cosin"),
         ("loop.epochs", 0), ("loop.max_steps", 0), ("loop.max_tokens_per_batch", 4), ("loop.grad_accum", 0),
         ("loop.log_every", 0), ("loop.save_every", 0), ("loop.eval_every", 0), ("loop.num_workers", -1),
         ("loop.mixed_precision", "fp8"), ("loop.tracker", "wandb"), ("drafter.ttt_steps", 0),
@@ -73,3 +73,18 @@ def test_features_of_another_dtype_build_name_the_model_dtype_to_pass():
     # same dtype, other weights: the weight hashes are named, not the dtype
     with pytest.raises(Eagle3Error, match="target weights sha256:f32-build"):
         check_features_match_target(meta, tiny_target(content_hash="sha256:other", dtype="float32"), [Path("f")])
+
+
+def test_a_resumed_run_reports_the_whole_run_training_loss(tmp_path):
+    """metrics.json's ``train_run`` averages over every step of the run, those before a resume included."""
+    import json
+
+    write_features(tmp_path / "f", n=30)
+    tgt, E = tiny_target(), embed()
+    over = {"loop.max_steps": 5, "loop.grad_accum": 2, "loop.log_every": 1000, "loop.save_every": 2}
+    full = train_drafter(make_cfg(tmp_path / "f", tmp_path / "a", **over), tgt, E)
+    assert train_drafter(make_cfg(tmp_path / "f", tmp_path / "b", **over), tgt, E, stop_after=3)["interrupted"]
+    rest = train_drafter(make_cfg(tmp_path / "f", tmp_path / "b", **over), tgt, E)
+    assert full["train_run"]["steps"] == rest["train_run"]["steps"] == 5 and full["train_run"]["loss"] > 0
+    assert rest["train_run"] == full["train_run"]  # bit-identical runs: the same sums, exactly
+    assert json.loads((tmp_path / "b" / "metrics.json").read_text())["train_run"] == full["train_run"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -35,7 +35,10 @@ class TrainState:
     """Progress counters, checkpointed with ``accelerator.register_for_checkpointing``.
 
     ``batch_in_epoch`` counts micro-batches of epoch ``epoch`` already trained on;
-    ``step`` counts optimizer steps.
+    ``step`` counts optimizer steps. ``train_stats`` is the whole run's ``[ttt_steps, 3]``
+    training statistics (KL sum, loss rows, correct per TTT step; summed over processes,
+    float64), flattened to a list of floats; empty before the first fold
+    (:func:`eagle3.train.loop.fold_run_stats`) and in checkpoints written before it was kept.
     """
 
     epoch: int = 0
@@ -43,15 +46,17 @@ class TrainState:
     step: int = 0
     tokens: int = 0
     skipped_nonfinite: int = 0
+    train_stats: list = field(default_factory=list)
 
     def state_dict(self) -> dict:
-        """The counters as a dict of ints (saved as ``custom_checkpoint_<i>.pkl``)."""
+        """The counters as a dict of ints and ``train_stats`` as a list of floats (saved as
+        ``custom_checkpoint_<i>.pkl``)."""
         return asdict(self)
 
     def load_state_dict(self, d: dict) -> None:
         """Restore the counters of :meth:`state_dict`."""
         for k, v in d.items():
-            setattr(self, k, int(v))
+            setattr(self, k, [float(x) for x in v] if isinstance(v, (list, tuple)) else int(v))
 
 
 def checkpoint_name(step: int) -> str:

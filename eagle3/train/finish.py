@@ -23,7 +23,7 @@ from eagle3.io import write_json_atomic
 from eagle3.train.build import Run
 from eagle3.train.checkpoint import checkpoint_name, latest_checkpoint, save_checkpoint
 from eagle3.train.drafter import Eagle3Drafter
-from eagle3.train.loop import Progress
+from eagle3.train.loop import Progress, run_train_metrics
 from eagle3.train.validation import validate
 
 log = logging.getLogger("eagle3")
@@ -105,6 +105,8 @@ def _metrics(run: Run, progress: Progress, last_val: Optional[dict]) -> dict:
         # one they cover steps after launch_first_step only (validation covers the final drafter)
         "train": progress.last_train,
         "launch_first_step": progress.first_step,
+        # the whole run's training metrics, resumes included (checkpointed sums)
+        "train_run": run_train_metrics(run),
         "validation": last_val,
         "tokens_per_s": progress.session_tokens / progress.train_time if progress.train_time > 0 else None,
         "num_processes": acc.num_processes,

@@ -74,12 +74,14 @@ class IntervalLog:
     ``stats`` is the ``[ttt_steps, 3]`` sum of the steps' statistics on this process's
     device (:class:`~eagle3.train.ttt.TTTOutput`), reduced over processes only when written
     (the one host sync per log interval); ``tokens`` counts the interval's tokens over all
-    processes, for tokens/s.
+    processes, for tokens/s. ``run_stats`` is the same sum in float64 since the last
+    :func:`fold_run_stats`, which moves it into the checkpointed ``TrainState.train_stats``.
     """
 
     def __init__(self, run: Run, pbar: tqdm):
         self.run, self.pbar = run, pbar
         self.stats = torch.zeros(run.cfg.drafter.ttt_steps, 3, device=run.accelerator.device)
+        self.run_stats = torch.zeros(run.cfg.drafter.ttt_steps, 3, dtype=torch.float64, device=run.accelerator.device)
         self.tokens, self.since = 0, time.perf_counter()
 
     def write(self, step: int) -> dict:
@@ -102,6 +104,29 @@ class IntervalLog:
         self.stats.zero_()
         self.tokens, self.since = 0, now
         return last_train
+
+
+def fold_run_stats(run: Run, interval: IntervalLog) -> None:
+    """Add this launch's training statistics since the last fold, summed over processes, to
+    ``run.state.train_stats`` (every process calls: a collective). Called before every
+    checkpoint, so a resumed run's whole-run average equals an uninterrupted run's (float64
+    sums of float32 statistics are exact)."""
+    s = run.accelerator.reduce(interval.run_stats, "sum").double().cpu().flatten()
+    if run.state.train_stats:
+        s = s + torch.tensor(run.state.train_stats, dtype=torch.float64)
+    run.state.train_stats = s.tolist()
+    interval.run_stats.zero_()
+
+
+def run_train_metrics(run: Run) -> dict:
+    """The whole run's training metrics from ``run.state.train_stats`` (after
+    :func:`fold_run_stats`): ``loss`` (weighted as the objective), per TTT step
+    ``step_loss``/``step_acc``/``step_rows``, and ``steps`` (optimizer steps covered)."""
+    J = run.cfg.drafter.ttt_steps
+    s = torch.tensor(run.state.train_stats or [0.0] * (3 * J), dtype=torch.float64).view(J, 3)
+    m = summarize(s, 0.0, 0, run.cfg.drafter.step_weight)
+    return {"loss": m["loss"], "step_loss": m["step_loss"], "step_acc": m["step_acc"], "step_rows": m["step_rows"],
+            "steps": run.state.step}
 
 
 def train_loop(run: Run, stop_after: Optional[int] = None,
@@ -165,6 +190,7 @@ def train_loop(run: Run, stop_after: Optional[int] = None,
         if not lcfg.eval_every:
             progress.last_val = validate(run, state.step)
     pbar.close()
+    fold_run_stats(run, interval)  # before the checkpoint of stop() or finish()
     return progress
 
 
@@ -192,6 +218,7 @@ def _train_micro_batch(run: Run, batch: dict, interval: IntervalLog) -> None:
             out = run.model(batch)
             acc.backward(out.loss)
             interval.stats += out.step_stats
+            interval.run_stats += out.step_stats
         if acc.sync_gradients and ocfg.grad_clip:
             acc.clip_grad_norm_(run.params, ocfg.grad_clip)
         run.optimizer.step()
@@ -210,4 +237,5 @@ def _after_step(run: Run, progress: Progress, interval: IntervalLog) -> None:
         progress.last_val = validate(run, step)
         progress.start_clock()
     if step % lcfg.save_every == 0 and step < run.total_steps:
+        fold_run_stats(run, interval)
         save_checkpoint(run.accelerator, run.output_dir, step)

@@ -22,7 +22,9 @@ def _bad_setting(cfg: Any) -> Optional[str]:
     """The first optimiser, loop or drafter setting no run can train with, as ``name=value; rule``."""
     from transformers import SchedulerType  # the names transformers.get_scheduler takes
 
-    schedulers = [t.value for t in SchedulerType]
+    # the loop passes no metric and no scheduler-specific arguments: these four need one
+    needs_more = {"reduce_lr_on_plateau", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay"}
+    schedulers = [t.value for t in SchedulerType if t.value not in needs_more]
     o, lp, d = cfg.optim, cfg.loop, cfg.drafter
     betas = list(o.betas)
     checks = [
@@ -30,7 +32,7 @@ def _bad_setting(cfg: Any) -> Optional[str]:
         ("optim.weight_decay", o.weight_decay, o.weight_decay >= 0, "must be >= 0"),
         ("optim.betas", betas, len(betas) == 2 and all(0 <= b < 1 for b in betas), "must be two values in [0, 1)"),
         ("optim.warmup_ratio", o.warmup_ratio, 0 <= o.warmup_ratio < 1, "must be in [0, 1)"),
-        ("optim.grad_clip", o.grad_clip, o.grad_clip > 0, "must be > 0"),
+        ("optim.grad_clip", o.grad_clip, o.grad_clip >= 0, "must be >= 0 (0 turns clipping off)"),
         ("optim.scheduler", o.scheduler, o.scheduler in schedulers, f"must be one of {', '.join(schedulers)}"),
         ("loop.epochs", lp.epochs, lp.epochs >= 1, "must be >= 1"),
         ("loop.max_steps", lp.max_steps, lp.max_steps is None or lp.max_steps >= 1, "must be >= 1 or null"),
