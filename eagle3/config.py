@@ -23,6 +23,9 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+# The engine schemas (hf, sglang, vllm) live in eagle3/config_engines.py; re-exported here.
+from eagle3.config_engines import HFEngineConfig, SGLangEngineConfig, VLLMEngineConfig  # noqa: F401
+
 
 # --------------------------------------------------------------------------- model
 @dataclass
@@ -87,55 +90,6 @@ class ModelConfig:
     trust_remote_code: bool = False
     revision: Optional[str] = None
     serve: ServeConfig = field(default_factory=ServeConfig)
-
-
-# -------------------------------------------------------------------------- engine
-@dataclass
-class HFEngineConfig:
-    """In-process transformers engine (CPU or GPU)."""
-
-    name: str = "hf"
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    attn_implementation: str = "sdpa"
-    # Batch sizes; None = by device (cpu: 64 prompts, 16 sequences, 8192 tokens;
-    # cuda: 256 prompts, 64 sequences, 65536 tokens).
-    generate_batch_size: Optional[int] = None  # prompts per batched generate call
-    capture_batch_size: Optional[int] = None  # sequences per batched capture forward
-    max_batch_tokens: Optional[int] = None  # padded tokens per capture forward (caps memory)
-
-
-@dataclass
-class SGLangEngineConfig:
-    """A live SGLang server: connect to ``url``/``urls`` or launch one.
-
-    With neither ``url`` nor ``urls`` set, the engine launches
-    ``python -m sglang.launch_server`` with flags rendered from the model's
-    ``serve`` settings and the fields below, and waits on ``/health``.
-    Extraction needs servers in capture mode (see docs/sglang.md); evaluation uses
-    ``baseline_url`` (no drafter) and ``speculative_url`` (serving the drafter), or
-    launches each in turn when they are not set, and refuses ``url``/``urls``.
-    """
-
-    name: str = "sglang"
-    url: Optional[str] = None  # extraction's capture server(s); refused by served evaluation
-    urls: list[str] = field(default_factory=list)
-    host: str = "127.0.0.1"
-    port: int = 30000
-    python: str = "python"
-    launch_timeout_s: float = 1800.0
-    request_timeout_s: float = 600.0
-    max_retries: int = 5
-    backoff_s: float = 2.0
-    concurrency: int = 32  # generation requests in flight per server
-    capture_concurrency: int = 4  # capture requests in flight per server (large JSON answers)
-    health_poll_s: float = 5.0
-    connect_timeout_s: float = 30.0  # how long a configured server may take to answer /health
-    baseline_url: Optional[str] = None  # evaluation: server without a drafter
-    speculative_url: Optional[str] = None  # evaluation: server serving the drafter
-    max_running_requests: int = 128
-    cuda_graph_max_bs: int = 128
-    chunked_prefill_size: int = -1
-    extra_args: list[str] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------- data
@@ -318,6 +272,18 @@ class BenchmarksConfig:
 
 
 @dataclass
+class DoctorConfig:
+    """``mode=doctor``: fast checks of an export against the target and the engine that will
+    serve it, then a short acceptance probe (``probe_prompts`` prompts, ``probe_max_new_tokens``
+    tokens each; ``probe=false`` skips it)."""
+
+    probe: bool = True
+    probe_prompts: int = 4
+    probe_max_new_tokens: int = 32
+    serving_engine: Optional[str] = None  # convention the export will be served with: sglang | vllm; None = engine.name (hf: sglang)
+
+
+@dataclass
 class EvaluateConfig:
     defaults: list[Any] = field(
         default_factory=lambda: [
@@ -328,6 +294,8 @@ class EvaluateConfig:
     )
     model: ModelConfig = MISSING
     engine: Any = MISSING
+    mode: str = "evaluate"  # evaluate | doctor (checks and an acceptance probe; exits non-zero on a failed check)
+    doctor: DoctorConfig = field(default_factory=DoctorConfig)
     data: BenchmarksConfig = field(default_factory=BenchmarksConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     temperature: float = 0.0
@@ -335,7 +303,7 @@ class EvaluateConfig:
     max_new_tokens: int = 128
     max_prompt_tokens: int = 2048  # hf engine: longer rendered prompts are skipped (counted)
     warmup_prompts: int = 2
-    concurrency: list[int] = field(default_factory=lambda: [1, 8, 32, 64, 128])  # sglang engine
+    concurrency: list[int] = field(default_factory=lambda: [1, 8, 32, 64, 128])  # served engines (sglang, vllm)
     # hf engine: prompts split over `workers` processes (prompt i to worker i % workers), each with
     # its own target + drafter on devices[w] (default cuda:w; a GPU may be listed several times to
     # share it: tau and lossless checks are unaffected, tokens/s then measure a shared device)
@@ -358,5 +326,6 @@ def register_configs() -> None:
     cs.store(group="data", name="data_schema", node=DataConfig)
     cs.store(group="engine", name="hf_schema", node=HFEngineConfig)
     cs.store(group="engine", name="sglang_schema", node=SGLangEngineConfig)
+    cs.store(group="engine", name="vllm_schema", node=VLLMEngineConfig)
     cs.store(group="drafter", name="drafter_schema", node=DrafterConfig)
     cs.store(group="optim", name="optim_schema", node=OptimConfig)

@@ -73,6 +73,12 @@ def run_evaluate(cfg) -> dict:
             fit the target (vocabulary/hidden size/aux layers), bad speculative settings,
             or benchmark problems (unknown name, overlap with training, missing MT-Bench file).
     """
+    if getattr(cfg, "mode", "evaluate") == "doctor":
+        from eagle3.doctor.run import run_doctor  # checks + probe; exits 1 when a check fails
+
+        return run_doctor(cfg)
+    if cfg.mode != "evaluate":
+        raise Eagle3Error(f"mode '{cfg.mode}' is unknown; use mode=evaluate or mode=doctor")
     settings, note = SpecSettings.make(
         cfg.speculative.num_steps, cfg.speculative.topk, cfg.speculative.num_draft_tokens,
         cfg.temperature, cfg.top_p, cfg.max_new_tokens,
@@ -83,6 +89,10 @@ def run_evaluate(cfg) -> dict:
         from eagle3.evaluate.servers import check_served_urls
 
         check_served_urls(cfg.engine)  # before any file is read or written
+    if engine == "vllm":
+        from eagle3.evaluate.served_vllm import run_vllm_stage  # its own export (export/vllm), its own server
+
+        return run_vllm_stage(cfg, settings, warnings)
     export = read_export(Path(cfg.drafter_dir))  # a damaged export stops here, before any work
     meta = export.meta
     manifest, w = load_train_manifest(meta)

@@ -17,6 +17,11 @@ from eagle3.target.layers import (  # noqa: F401
     sglang_captured_ids,
     to_sglang_ids,
     from_sglang_ids,
+    ENGINES,
+    vllm_captured_ids,
+    to_vllm_ids,
+    to_engine_ids,
+    engine_captured_ids,
 )
 from eagle3.target.source import (  # noqa: F401
     DTYPES,

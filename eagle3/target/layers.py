@@ -13,6 +13,13 @@ SGLang convention (``eagle_config.eagle_aux_hidden_state_layer_ids`` in the draf
   when the first id is ``1``; otherwise each id ``c`` captures the input of layer ``c``.
 
 So HF ids ``[2, L//2, L-3]`` are written ``[1, L//2-1, L-4]`` on both families.
+
+vLLM convention (read from ``vllm/model_executor/models/llama.py``: the layer loop calls
+``_maybe_add_hidden_state(aux, idx + 1, ...)`` after decoder layer ``idx``): id ``k``
+is captured after layer ``k-1``, which *is* HF ``output_hidden_states[k]``, on every
+family. An export for vLLM therefore writes the HF ids unchanged, and the same
+``config.json`` served by the two engines feeds the drafter different layers: each
+engine needs its own export (``eagle3_meta.json`` records which: ``aux_id_convention``).
 """
 
 from __future__ import annotations
@@ -99,3 +106,41 @@ def to_sglang_ids(hf_ids: list[int], architecture: str) -> list[int]:
 def from_sglang_ids(sglang_ids: list[int], architecture: str) -> list[int]:
     """Inverse of :func:`to_sglang_ids`: the HF indices the server will capture."""
     return sglang_captured_ids(sglang_ids, architecture)
+
+
+ENGINES = ("sglang", "vllm")
+
+
+def vllm_captured_ids(vllm_ids: list[int]) -> list[int]:
+    """What vLLM captures (as HF indices) for the ids written in a drafter config: the same ids."""
+    return [int(i) for i in vllm_ids]
+
+
+def to_vllm_ids(hf_ids: list[int]) -> list[int]:
+    """HF-convention ids -> the ids to write in an export vLLM serves (unchanged)."""
+    return [int(i) for i in hf_ids]
+
+
+def _check_engine(engine: str) -> None:
+    if engine not in ENGINES:
+        raise Eagle3Error(f"no aux-layer-id convention is known for engine '{engine}'; use one of {list(ENGINES)}")
+
+
+def to_engine_ids(hf_ids: list[int], engine: str, architecture: str) -> list[int]:
+    """HF-convention ids -> the ids an export for ``engine`` (``sglang`` | ``vllm``) writes.
+
+    Raises:
+        Eagle3Error: an unknown engine, or ids SGLang cannot express (:func:`to_sglang_ids`).
+    """
+    _check_engine(engine)
+    return to_sglang_ids(hf_ids, architecture) if engine == "sglang" else to_vllm_ids(hf_ids)
+
+
+def engine_captured_ids(written_ids: list[int], engine: str, architecture: str) -> list[int]:
+    """The HF indices ``engine`` captures for ids written in a drafter's ``config.json``.
+
+    Raises:
+        Eagle3Error: an unknown engine or architecture.
+    """
+    _check_engine(engine)
+    return sglang_captured_ids(written_ids, architecture) if engine == "sglang" else vllm_captured_ids(written_ids)

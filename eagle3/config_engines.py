@@ -1,0 +1,98 @@
+"""The engine schemas of the one typed configuration (:mod:`eagle3.config` re-exports them).
+
+``engine=hf`` runs the target in this process; ``engine=sglang`` and ``engine=vllm`` reach
+a real server (connected by URL or launched with the engine's own Python, since each
+server pins its own transformers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class HFEngineConfig:
+    """In-process transformers engine (CPU or GPU)."""
+
+    name: str = "hf"
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    attn_implementation: str = "sdpa"
+    # Batch sizes; None = by device (cpu: 64 prompts, 16 sequences, 8192 tokens;
+    # cuda: 256 prompts, 64 sequences, 65536 tokens).
+    generate_batch_size: Optional[int] = None  # prompts per batched generate call
+    capture_batch_size: Optional[int] = None  # sequences per batched capture forward
+    max_batch_tokens: Optional[int] = None  # padded tokens per capture forward (caps memory)
+
+
+@dataclass
+class SGLangEngineConfig:
+    """A live SGLang server: connect to ``url``/``urls`` or launch one.
+
+    With neither ``url`` nor ``urls`` set, the engine launches
+    ``python -m sglang.launch_server`` with flags rendered from the model's
+    ``serve`` settings and the fields below, and waits on ``/health``.
+    Extraction needs servers in capture mode (see docs/sglang.md); evaluation uses
+    ``baseline_url`` (no drafter) and ``speculative_url`` (serving the drafter), or
+    launches each in turn when they are not set, and refuses ``url``/``urls``.
+    """
+
+    name: str = "sglang"
+    url: Optional[str] = None  # extraction's capture server(s); refused by served evaluation
+    urls: list[str] = field(default_factory=list)
+    host: str = "127.0.0.1"
+    port: int = 30000
+    python: str = "python"
+    launch_timeout_s: float = 1800.0
+    request_timeout_s: float = 600.0
+    max_retries: int = 5
+    backoff_s: float = 2.0
+    concurrency: int = 32  # generation requests in flight per server
+    capture_concurrency: int = 4  # capture requests in flight per server (large JSON answers)
+    health_poll_s: float = 5.0
+    connect_timeout_s: float = 30.0  # how long a configured server may take to answer /health
+    baseline_url: Optional[str] = None  # evaluation: server without a drafter
+    speculative_url: Optional[str] = None  # evaluation: server serving the drafter
+    max_running_requests: int = 128
+    cuda_graph_max_bs: int = 128
+    chunked_prefill_size: int = -1
+    extra_args: list[str] = field(default_factory=list)
+
+
+@dataclass
+class VLLMEngineConfig:
+    """A live vLLM OpenAI-compatible server: connect to ``baseline_url`` /
+    ``speculative_url`` or launch each in turn.
+
+    Launching runs ``<python> -m vllm.entrypoints.openai.api_server`` (``python`` is the
+    server's own virtual environment: vLLM pins its own transformers) with every flag
+    below explicit, the drafter given as ``--speculative-config '{"method": "eagle3",
+    "model": <export/vllm>, "num_speculative_tokens": num_steps}'``, and waits on
+    ``/health`` up to ``launch_timeout_s`` (CPU startup compiles for 2-4 minutes).
+    ``kv_cache_space_gb`` sets ``VLLM_CPU_KVCACHE_SPACE`` on a CPU build;
+    ``gpu_memory_utilization`` is passed on a GPU build only. ``max_num_seqs`` is vLLM's
+    cap on running requests (read back from the server and reported).
+    """
+
+    name: str = "vllm"
+    baseline_url: Optional[str] = None  # server without a drafter
+    speculative_url: Optional[str] = None  # server serving the drafter
+    host: str = "127.0.0.1"
+    port: int = 8000
+    python: str = "python"
+    served_model_name: str = "target"
+    device: str = "auto"  # auto | cpu | cuda: which vLLM build the launch flags are for
+    max_model_len: int = 2048
+    max_num_seqs: int = 256
+    max_num_batched_tokens: Optional[int] = None
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.9
+    kv_cache_space_gb: int = 2
+    enforce_eager: bool = False
+    launch_timeout_s: float = 900.0
+    request_timeout_s: float = 600.0
+    connect_timeout_s: float = 30.0
+    health_poll_s: float = 5.0
+    max_retries: int = 3
+    backoff_s: float = 2.0
+    extra_args: list[str] = field(default_factory=list)
