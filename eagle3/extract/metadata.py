@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from eagle3.features import LAYOUT_TARGET_IDS, LAYOUT_TEMPLATE_TEXT
 from eagle3.target import chat_template_hash
 
 
@@ -51,6 +52,8 @@ def _metadata(cfg, target, engine, tokenizer) -> dict:
         "engine": engine.info(),
         "sampling": dataclasses.asdict(cfg.sampling) if dataclasses.is_dataclass(cfg.sampling) else dict(cfg.sampling),
         "regenerate": bool(cfg.capture.regenerate),
+        # regenerated samples are the target's own ids; kept replies are rendered text (eagle3.features.format)
+        "sample_layout": LAYOUT_TARGET_IDS if cfg.capture.regenerate else LAYOUT_TEMPLATE_TEXT,
         "capture": {"top_k": int(cfg.capture.top_k), "max_length": int(cfg.capture.max_length),
                     "max_turns": cfg.capture.max_turns},
         "data": {

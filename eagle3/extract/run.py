@@ -10,9 +10,11 @@ Order of work (cheap checks first, so a misconfiguration fails in seconds):
    ``data.limit``;
 4. preflight: estimated bytes against free disk; then the ``hf`` engine loads the model;
 5. per window of shards: regenerate every assistant turn in order, batched across
-   conversations (system prompt kept, user turns as given); render each conversation
-   with the chat template once (loss mask from token offsets, :mod:`eagle3.target.chat`);
-   truncate at ``capture.max_length``; capture; write each shard atomically.
+   conversations (system prompt kept, user turns as given), keeping the ids the target
+   was given and generated (loss mask on the generated ids, :mod:`eagle3.extract.regenerate`);
+   without regeneration render each conversation with the chat template once (loss mask
+   from token offsets, :mod:`eagle3.target.chat`); truncate at ``capture.max_length``;
+   capture; write each shard atomically.
 
 A run started again with the same settings resumes: written shards are kept (their
 checksums are verified) and the rest are extracted. Shards are grouped into fixed

@@ -8,10 +8,12 @@ captured. A resumed run takes the recorded replies of a window whose inputs and
 settings are unchanged, so it regenerates nothing that an earlier run generated: only
 the pending shards are captured again, and they come out byte-identical to an
 uninterrupted run's. A window without a valid record is regenerated as a whole. A worker
-of a data-parallel run takes every ``workers``-th window. In a shard, each conversation
-is rendered with the chat template once (loss mask from token offsets,
-:mod:`eagle3.target.chat`), truncated at ``capture.max_length``, captured by the engine
-and written atomically; the counts that the manifest does not keep (truncations,
+of a data-parallel run takes every ``workers``-th window. In a shard, each regenerated
+conversation is the ids the target was given and generated, with the loss mask on the
+generated ids (:mod:`eagle3.extract.regenerate`); a conversation whose replies are
+kept (``capture.regenerate=false``) is rendered with the chat template (loss mask from
+token offsets, :func:`eagle3.target.render_conversation`). Each is truncated at
+``capture.max_length``, captured by the engine and written atomically; the counts that the manifest does not keep (truncations,
 generated tokens) are written to the side file of :mod:`eagle3.extract.summary` first,
 so a kept shard always has its counts.
 """
@@ -32,7 +34,7 @@ import torch
 from tqdm import tqdm
 
 from eagle3 import features
-from eagle3.extract.regenerate import keep_turns, regenerate
+from eagle3.extract.regenerate import generated_mask, keep_turns, regenerate
 from eagle3.io import read_json, write_json_atomic
 from eagle3.target import render_conversation
 
@@ -104,12 +106,15 @@ class _Replies:
 
     Attributes:
         messages: the final messages by sample id (regenerated replies, or the original ones).
+        sequences: by sample id, the target's ids and the spans of its replies
+            (:func:`eagle3.extract.regenerate.regenerate`); None when the replies are kept.
         too_long: samples whose first prompt alone reaches ``capture.max_length`` (dropped).
         cut: samples stopped before their last user turn (counted as truncated).
         generated_by_id: generated tokens per sample.
     """
 
     messages: dict[str, list[dict]]
+    sequences: Optional[dict[str, dict]]
     too_long: set[str]
     cut: set[str]
     generated_by_id: dict[str, int]
@@ -118,12 +123,12 @@ class _Replies:
 def _regenerate_window(cfg, engine, tokenizer, convs: list[tuple[str, list[dict]]], window: int, bar) -> _Replies:
     """The conversations of window ``window`` with their replies (seed ``sampling.seed + window``)."""
     if cfg.capture.regenerate:
-        final, gstats = regenerate(engine, tokenizer, convs, cfg.sampling, int(cfg.capture.max_length),
+        final, seqs, gstats = regenerate(engine, tokenizer, convs, cfg.sampling, int(cfg.capture.max_length),
                                    seed=cfg.sampling.seed + window, max_turns=cfg.capture.max_turns,
                                    on_turn=lambda r, n: bar.set_postfix_str(f"generating turn {r + 1} of {n} conversations"))
-        return _Replies(final, set(gstats["too_long"]), set(gstats["cut"]), gstats["generated_by_id"])
+        return _Replies(final, seqs, set(gstats["too_long"]), set(gstats["cut"]), gstats["generated_by_id"])
     final = {sid: keep_turns(m, cfg.capture.max_turns) for sid, m in convs}
-    return _Replies(final, set(), set(), {})
+    return _Replies(final, None, set(), set(), {})
 
 
 def _digest(obj) -> str:
@@ -150,12 +155,13 @@ def _window_replies(cfg, engine, tokenizer, writer: features.FeatureWriter, conv
     record = read_json(path, None)
     if isinstance(record, dict) and record.get("key") == key:
         got = record.get("replies")
-        if isinstance(got, dict) and _digest(got) == record.get("sha256"):
-            return _Replies(got["messages"], set(got["too_long"]), set(got["cut"]), got["generated_by_id"]), True
+        if isinstance(got, dict) and _digest(got) == record.get("sha256") and isinstance(got.get("sequences"), dict):
+            return _Replies(got["messages"], got["sequences"], set(got["too_long"]), set(got["cut"]),
+                            got["generated_by_id"]), True
         log.warning("%s fails its sha256 check; window %d is generated again", path, window)
     replies = _regenerate_window(cfg, engine, tokenizer, convs, window, bar)
-    got = {"messages": replies.messages, "too_long": sorted(replies.too_long), "cut": sorted(replies.cut),
-           "generated_by_id": replies.generated_by_id}
+    got = {"messages": replies.messages, "sequences": replies.sequences, "too_long": sorted(replies.too_long),
+           "cut": sorted(replies.cut), "generated_by_id": replies.generated_by_id}
     path.parent.mkdir(exist_ok=True)
     write_json_atomic(path, {"key": key, "sha256": _digest(got), "replies": got})  # before the window's shards
     return replies, False
@@ -164,8 +170,10 @@ def _window_replies(cfg, engine, tokenizer, writer: features.FeatureWriter, conv
 def _render_shard(tokenizer, chunk: Plan, replies: _Replies, max_length: int):
     """Render the samples of one shard: ``(records [(id, split, input_ids, loss_mask)], dropped, truncated)``.
 
-    ``input_ids`` and ``loss_mask`` are int lists of at most ``max_length`` tokens (the
-    mask is 1 on assistant tokens, :func:`eagle3.target.render_conversation`);
+    ``input_ids`` and ``loss_mask`` are int lists of at most ``max_length`` tokens: the
+    target's own ids with the mask on its generated ids when the replies were
+    regenerated, else the template's rendering with the mask on assistant tokens
+    (:func:`eagle3.target.render_conversation`);
     ``dropped`` maps a sample id to why it was not captured; ``truncated`` lists the
     samples cut at ``max_length`` or stopped before their last turn.
     """
@@ -174,7 +182,12 @@ def _render_shard(tokenizer, chunk: Plan, replies: _Replies, max_length: int):
         if sid in replies.too_long:
             dropped[sid] = f"the first prompt alone reaches capture.max_length={max_length}"
             continue
-        input_ids, mask = render_conversation(tokenizer, replies.messages[sid])
+        if replies.sequences is not None:
+            seq = replies.sequences[sid]
+            input_ids = list(seq["input_ids"])
+            mask = generated_mask(len(input_ids), seq["generated"])
+        else:
+            input_ids, mask = render_conversation(tokenizer, replies.messages[sid])
         if len(input_ids) > max_length or sid in replies.cut:
             truncated.append(sid)
         input_ids, mask = input_ids[:max_length], mask[:max_length]

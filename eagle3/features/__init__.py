@@ -16,6 +16,11 @@ from eagle3.features.format import (  # noqa: F401
     samples_per_shard,
     shard_name,
     part_manifest_name,
+    LAYOUT_TARGET_IDS,
+    LAYOUT_TEMPLATE_TEXT,
+    LAYOUT_RETOKENIZED,
+    sample_layout,
+    rank_top_k,
 )
 from eagle3.features.writer import FeatureWriter  # noqa: F401
 from eagle3.features.reader import (  # noqa: F401

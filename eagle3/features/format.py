@@ -17,6 +17,18 @@ key                           shape        dtype
 
 A shard concatenates its samples along the token axis and adds ``offsets [n+1]``
 (int64): sample ``i`` is rows ``offsets[i]:offsets[i+1]``.
+
+Sample layout (``metadata.sample_layout`` of the manifest, :func:`sample_layout`):
+``target_ids`` -- the ids the target was given and generated, turn after turn, and the
+loss mask on exactly the generated ids (regenerated replies); ``template_text`` -- the
+conversation rendered as text by the chat template and tokenized, the mask from token
+offsets (dataset replies kept). Folders written before the field existed and holding
+regenerated replies are ``retokenized_replies``: the target's replies decoded to text
+and tokenized again, which can segment them differently from how the target did.
+
+Top-k order (:func:`rank_top_k`): by logit, ties by the lower token id, so that
+``topk_ids[t, 0]`` is ``torch.argmax`` of the logits, the token a greedy verifier takes
+(:func:`eagle3.spec.accept.accept_greedy`).
 """
 
 from __future__ import annotations
@@ -38,6 +50,10 @@ DTYPES = {
     "topk_ids": torch.int32,
     "topk_logprobs": torch.float32,
 }
+# metadata.sample_layout values (see the module docstring)
+LAYOUT_TARGET_IDS = "target_ids"
+LAYOUT_TEMPLATE_TEXT = "template_text"
+LAYOUT_RETOKENIZED = "retokenized_replies"
 # Metadata keys that must agree between feature folders trained on together.
 COMPATIBILITY_KEYS = (
     ("target", "content_hash"),
@@ -122,6 +138,53 @@ def samples_per_shard(shard_size_mb: float, hidden_size: int, top_k: int, tokens
     per_sample = max(1.0, tokens_per_sample) * bytes_per_token(hidden_size, top_k)
     return max(1, int(shard_size_mb * 1e6 // per_sample))
 
+
+
+def sample_layout(metadata: dict) -> str:
+    """The sample layout of a manifest's ``metadata`` (see the module docstring).
+
+    A manifest without ``sample_layout`` predates the field: ``retokenized_replies`` when
+    it regenerated the replies (``metadata.regenerate`` true or absent), else
+    ``template_text`` (the text path has not changed).
+    """
+    layout = metadata.get("sample_layout")
+    if layout is not None:
+        return str(layout)
+    return LAYOUT_RETOKENIZED if metadata.get("regenerate", True) else LAYOUT_TEMPLATE_TEXT
+
+
+def rank_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest logits of each row, largest first, equal logits by the lower token id.
+
+    ``torch.topk`` leaves the order of equal values unspecified (on a CPU it returns
+    tied ids out of order, and with more ties than ``k`` it may leave the lowest tied id
+    out); ``torch.argmax`` returns the first maximal index, which is what a greedy
+    verifier takes (:func:`eagle3.spec.accept.accept_greedy`, SGLang's greedy sampler).
+    Here the result is that of a stable descending sort cut at ``k``, so
+    ``ids[:, 0] == logits.argmax(-1)``: the values above the ``k``-th largest come from
+    ``topk`` (ordered by value, then id), the rest are the lowest ids holding the ``k``-th
+    largest value (one more pass over the row, no full sort).
+
+    Args:
+        logits: ``[n, V]`` float logits (compared as given; a bf16 -> float32 cast
+            changes no order).
+        k: ``1 <= k <= V``.
+
+    Returns:
+        ``(ids [n, k] int64, values [n, k])``, values in the dtype of ``logits``.
+    """
+    vals, ids = logits.topk(k, dim=-1)  # the k largest values, ties in any order
+    kth = vals[:, -1:]  # [n, 1]
+    above = (vals > kth).sum(-1, keepdim=True)  # [n, 1]: values above the k-th, in every top-k set
+    ids, perm = ids.sort(dim=-1)  # by id ...
+    vals, perm2 = vals.gather(-1, perm).sort(dim=-1, descending=True, stable=True)  # ... then by value
+    ids = ids.gather(-1, perm2)
+    V = logits.shape[-1]
+    lower_first = torch.arange(V, 0, -1, dtype=torch.float32, device=logits.device)  # V .. 1: larger for lower ids
+    low = torch.where(logits == kth, lower_first, 0.0).topk(k, dim=-1).indices  # lowest ids at the k-th value
+    j = torch.arange(k, device=logits.device).unsqueeze(0)
+    ids = torch.where(j < above, ids, low.gather(-1, (j - above).clamp(min=0)))
+    return ids, logits.gather(-1, ids)
 
 
 def shard_name(index: int) -> str:

@@ -21,7 +21,8 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3.errors import Eagle3Error
-from eagle3.features.format import FORMAT, MANIFEST, TENSOR_KEYS, VERSION, Record, part_manifest_name, shard_name
+from eagle3.features.format import (FORMAT, MANIFEST, TENSOR_KEYS, VERSION, Record, part_manifest_name, sample_layout,
+                                    shard_name)
 from eagle3.features.reader import load_manifest
 from eagle3.io import sha256_file, write_json_atomic
 
@@ -44,6 +45,28 @@ def _first_difference(a: Any, b: Any, prefix: str = "") -> str | None:
     if a != b:
         return f"{prefix.rstrip('.')} ({a!r} vs {b!r})"
     return None
+
+
+def _adopt_sample_layout(out_dir: Path, old: dict, new: dict) -> None:
+    """Give a manifest written before ``metadata.sample_layout`` existed the layout it holds.
+
+    A folder of kept (dataset) replies holds the layout of today (``template_text``) and
+    resumes; one of regenerated replies holds the re-tokenized layout, which a resume
+    would mix with the target's own ids, so it is refused.
+
+    Raises:
+        Eagle3Error: the old folder's layout is not the one this run writes.
+    """
+    if "sample_layout" in old or "sample_layout" not in new:
+        return
+    layout = sample_layout(old)
+    if layout != new["sample_layout"]:
+        raise Eagle3Error(
+            f"{out_dir} holds features of an earlier eagle3 that stored the target's replies decoded and "
+            f"tokenized again (sample layout {layout}), not the target's own ids ({new['sample_layout']}); "
+            "pass a new output_dir=, or delete that folder to extract it again"
+        )
+    old["sample_layout"] = layout
 
 
 class FeatureWriter:
@@ -103,6 +126,7 @@ class FeatureWriter:
         path = out_dir / name
         if path.exists():
             manifest = load_manifest(out_dir, require_complete=False, name=name)
+            _adopt_sample_layout(out_dir, manifest["metadata"], metadata)
             diff = _first_difference(manifest["metadata"], metadata)
             if diff:
                 raise Eagle3Error(

@@ -9,6 +9,8 @@ from eagle3.target.chat import (  # noqa: F401
     chat_template_hash,
     end_of_turn_ids,
     render_conversation,
+    reply_tail_ids,
+    close_reply,
 )
 from eagle3.target.layers import (  # noqa: F401
     ARCHITECTURES,

@@ -11,12 +11,20 @@ added, because the target generates it too.
 
 ``loss_mask[t] = 1`` iff token ``t`` overlaps an assistant message's content or is its
 end-of-turn marker. Training uses ``loss_mask[t+1]`` for the prediction made at ``t``.
+This text path serves conversations whose replies are given as text (dataset replies).
+
+Replies the target generates keep its own ids instead (:mod:`eagle3.extract.regenerate`):
+:func:`reply_tail_ids` gives the ids the template writes after a reply (its end-of-turn
+marker, then the next user turn and generation prompt, or the conversation's closing),
+and :func:`close_reply` joins them to the generated ids so that an end-of-turn token
+the target generated is not written twice, and one it never generated (a reply cut at
+the token limit) is written by the template, not by the target.
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Sequence
+from typing import Optional, Sequence
 
 from eagle3.errors import Eagle3Error
 
@@ -104,6 +112,46 @@ def end_of_turn_ids(tokenizer) -> list[int]:
         if first is not None:
             ids.add(int(first))
     return sorted(ids)
+
+
+def reply_tail_ids(tokenizer, history: Sequence[dict], next_user: Optional[dict]) -> list[int]:
+    """Token ids the chat template writes right after the content of the last reply.
+
+    ``history`` is the conversation up to the user turn that reply answers (the reply
+    itself excluded). The template renders ``history``, an assistant message with a
+    placeholder content and, when ``next_user`` is given, that user message and the
+    generation prompt; the text after the placeholder is tokenized on its own (no
+    special tokens added). For ChatML that is ``<|im_end|>\n<|im_start|>user\n...
+    <|im_end|>\n<|im_start|>assistant\n`` (or ``<|im_end|>\n`` at the end); starting
+    with a special token, it tokenizes as it does inside the whole rendering.
+
+    Raises:
+        Eagle3Error: the template does not render the placeholder content verbatim.
+    """
+    msgs = list(history) + [{"role": "assistant", "content": _SENTINEL}]
+    if next_user is not None:
+        msgs.append(dict(next_user))
+    text = _render(tokenizer, msgs, next_user is not None)
+    head = _render(tokenizer, history, True)
+    pos = text.find(_SENTINEL, len(head) if text.startswith(head) else 0)
+    if pos < 0:
+        raise Eagle3Error("the chat template does not render assistant content verbatim, so the target's replies "
+                          "cannot be placed in the conversation; use a template that renders assistant content as given")
+    return list(_encode(tokenizer, text[pos + len(_SENTINEL):])["input_ids"])
+
+
+def close_reply(generated: Sequence[int], tail: Sequence[int], eot: set[int]) -> list[int]:
+    """The ids that follow ``generated`` in the conversation: ``tail`` (:func:`reply_tail_ids`)
+    without its end-of-turn marker when the target generated one itself.
+
+    A reply that stopped at an end-of-turn token (``eot``, :func:`end_of_turn_ids`) keeps
+    it (a label) and the template's own marker ``tail[0]`` is dropped; a reply without
+    one (cut at ``max_new_tokens``) is followed by the whole ``tail``, marker included,
+    which is then no label, because the target never generated it.
+    """
+    if generated and generated[-1] in eot and tail and tail[0] in eot:
+        return list(tail[1:])
+    return list(tail)
 
 
 def _token_span(offsets, start: int, end: int) -> tuple[int, int]:

@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from eagle3.errors import Eagle3Error
-from eagle3.features import FeatureDataset
+from eagle3.features import LAYOUT_RETOKENIZED, LAYOUT_TARGET_IDS, FeatureDataset, sample_layout
 
 log = logging.getLogger("eagle3")
 
@@ -66,16 +66,47 @@ def check_features_match_target(metadata: dict, target: Any, dirs: list[Path]) -
     return list(aux)
 
 
+def check_sample_layouts(manifests: list[dict], dirs: list[Path]) -> list[str]:
+    """The sample layout of every features folder; refuses to train on a mix of the two
+    layouts of regenerated replies.
+
+    Folders written before manifests recorded ``metadata.sample_layout`` hold
+    regenerated replies decoded and tokenized again (``retokenized_replies``); newer
+    ones hold the target's own ids (``target_ids``); see :mod:`eagle3.features.format`.
+    Either trains on its own (an old folder with a warning), and either may be mixed
+    with dataset replies (``template_text``), but not with each other, since the same
+    reply would appear in two segmentations.
+
+    Raises:
+        Eagle3Error: ``retokenized_replies`` and ``target_ids`` folders mixed (names one of each).
+    """
+    layouts = [sample_layout(m["metadata"]) for m in manifests]
+    old = [d for d, x in zip(dirs, layouts) if x == LAYOUT_RETOKENIZED]
+    new = [d for d, x in zip(dirs, layouts) if x == LAYOUT_TARGET_IDS]
+    if old and new:
+        raise Eagle3Error(
+            f"features in {old[0]} hold the target's replies tokenized again from text (extracted before samples "
+            f"kept the target's own ids) and {new[0]} hold the target's own ids; re-extract {old[0]} into a fresh "
+            "output_dir before training on both"
+        )
+    if old:
+        log.warning("features in %s re-tokenize the target's replies from text (extracted by an earlier eagle3); "
+                    "re-extract them to train on the target's own ids", ", ".join(map(str, old)))
+    return layouts
+
+
 def open_datasets(dirs: list[Path], target: Any) -> tuple[FeatureDataset, FeatureDataset, list[int]]:
     """The training split (shards checksum-verified), the validation split, and the aux layer ids.
 
     Raises:
         Eagle3Error: a missing, empty, unfinished or incompatible features folder
-            (:class:`~eagle3.features.FeatureDataset`), no training samples, features of
+            (:class:`~eagle3.features.FeatureDataset`), old and new sample layouts mixed
+            (:func:`check_sample_layouts`), no training samples, features of
             another target (:func:`check_features_match_target`), or aux states whose width
             is not the target's hidden size.
     """
     train_ds = FeatureDataset(dirs, splits=("train",))
+    check_sample_layouts(train_ds.manifests, dirs)
     if len(train_ds) == 0:
         raise Eagle3Error(f"features in {', '.join(map(str, dirs))} hold no training samples; extract more data")
     val_ds = FeatureDataset(dirs, splits=("validation",), verify=False)

@@ -15,7 +15,9 @@ final norm, i.e. HF ``output_hidden_states[k]`` (the convention of
 :mod:`eagle3.target.layers`), without keeping all ``L + 1`` states. Next-token log-probs use
 the target's own logits (``lm_head`` in the model dtype, as the served model computes
 them), with the log-softmax and top-k done in float32 on chunks of real positions only,
-so no ``[B, T, V]`` float32 tensor is ever built.
+so no ``[B, T, V]`` float32 tensor is ever built. The top-k is ranked on the logits with
+ties by the lower token id (:func:`eagle3.features.format.rank_top_k`), so the captured
+top-1 is the ``argmax`` a greedy verifier takes.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from tqdm import tqdm
 from eagle3.target import end_of_turn_ids
 from eagle3.engines.base import Engine
 from eagle3.errors import Eagle3Error
-from eagle3.features import Capture
+from eagle3.features import Capture, rank_top_k
 from eagle3.devices import resolve_device
 from eagle3.target import TargetInfo, load_target
 
@@ -258,10 +260,9 @@ class HFEngine(Engine):
             top_lp = torch.empty((h.shape[0], top_k), dtype=torch.float32, device=self.device)
             for a in range(0, h.shape[0], chunk):
                 logits = self._lm_head(h[a : a + chunk]).float()  # [n, V] float32
-                lp = F.log_softmax(logits, dim=-1)
-                v, i_ = lp.topk(top_k, dim=-1)
+                i_, _ = rank_top_k(logits, top_k)  # ties by the lower id: column 0 is the verifier's argmax
                 top_ids[a : a + chunk] = i_.to(torch.int32)
-                top_lp[a : a + chunk] = v
+                top_lp[a : a + chunk] = F.log_softmax(logits, dim=-1).gather(-1, i_)
             aux = aux.to(torch.bfloat16).cpu()
             top_ids, top_lp = top_ids.cpu(), top_lp.cpu()
             start = 0
