@@ -38,9 +38,14 @@ class QuantizationConfig:
     ``pack-quantized`` checkpoint; modules matching ``ignore`` stay unquantised.
     ``prequantized=True`` means the source already is such a checkpoint (Kimi);
     otherwise the model builder quantises the dense source once and caches it.
+    ``method="w4a16-dequant"`` serves that W4A16 checkpoint's weights dequantised to a
+    dense ``model.dtype`` folder (``scale * int``, no ``quantization_config``): the
+    "BF16" deployment of a natively INT4 release, which differs from INT4 serving only
+    by kernel numerics (docs/precision-study.md). Validated by
+    ``eagle3.target.resolve.QUANTIZATION_METHODS``.
     """
 
-    method: str = "none"  # none | w4a16
+    method: str = "none"  # none | w4a16 | w4a16-dequant
     bits: int = 4
     group_size: int = 32
     symmetric: bool = True
@@ -223,6 +228,7 @@ class LoopConfig:
 @dataclass
 class ExportConfig:
     sglang: bool = True
+    vllm: bool = True  # export/vllm: the SGLang files with aux ids in vLLM's (HF) convention
     speculators: bool = True  # written only where the `speculators` package is installed
 
 
@@ -273,14 +279,20 @@ class BenchmarksConfig:
 
 @dataclass
 class DoctorConfig:
-    """``mode=doctor``: fast checks of an export against the target and the engine that will
-    serve it, then a short acceptance probe (``probe_prompts`` prompts, ``probe_max_new_tokens``
-    tokens each; ``probe=false`` skips it)."""
+    """``mode=doctor`` (docs/doctor.md): fast checks of the export at ``drafter_dir`` against
+    the target (``model=``) and the engine that will serve it, then a short greedy
+    acceptance probe (``probe_prompts`` built-in prompts, ``probe_max_new_tokens`` tokens
+    each, in process with ``engine=hf``; through ``engine.speculative_url`` as well with
+    ``engine=sglang``; ``probe=false`` skips it). A probe ``tau`` below
+    ``accepts_nothing_below`` fails ("accepts nothing"). ``serving_engine`` names the engine
+    whose aux-id convention the export must match (``sglang`` | ``vllm``); None =
+    ``engine.name``, with ``hf`` reading SGLang's. Exit code 1 when a check fails."""
 
     probe: bool = True
     probe_prompts: int = 4
     probe_max_new_tokens: int = 32
-    serving_engine: Optional[str] = None  # convention the export will be served with: sglang | vllm; None = engine.name (hf: sglang)
+    accepts_nothing_below: float = 1.05
+    serving_engine: Optional[str] = None  # sglang | vllm; None = engine.name (hf: sglang)
 
 
 @dataclass

@@ -34,7 +34,17 @@ class SGLangEngineConfig:
     ``serve`` settings and the fields below, and waits on ``/health``.
     Extraction needs servers in capture mode (see docs/sglang.md); evaluation uses
     ``baseline_url`` (no drafter) and ``speculative_url`` (serving the drafter), or
-    launches each in turn when they are not set, and refuses ``url``/``urls``.
+    launches them when they are not set (on ``port`` and ``port + 1``; both up at once so
+    batch-1 requests can alternate between them, unless ``launch_together`` is false or,
+    unset, they are launched on GPUs, which the two would share: then one after the
+    other), and refuses ``url``/``urls``.
+    A launched server's environment is this process's, then the variables the shell
+    line ``env_script`` exports (sourced with bash; the CPU build's ``env.sh VENV``),
+    then ``env``. On a machine without CUDA (``device=auto``) the server is started
+    with ``--device cpu --disable-overlap-schedule --max-total-tokens 8192
+    --mem-fraction-static 0.5`` (what the CPU build of SGLang 0.5.23 was seen to run
+    with; the fraction only when ``model.serve.mem_fraction_static`` is unset) and no
+    CUDA-graph flag.
     """
 
     name: str = "sglang"
@@ -53,25 +63,38 @@ class SGLangEngineConfig:
     connect_timeout_s: float = 30.0  # how long a configured server may take to answer /health
     baseline_url: Optional[str] = None  # evaluation: server without a drafter
     speculative_url: Optional[str] = None  # evaluation: server serving the drafter
-    max_running_requests: int = 128
-    cuda_graph_max_bs: int = 128
+    # None: --max-running-requests is not passed, and a speculative server caps itself at 48
+    max_running_requests: Optional[int] = 128
+    cuda_graph_max_bs: int = 128  # not rendered for a CPU server (no CUDA graphs there)
     chunked_prefill_size: int = -1
+    # auto: cpu when this machine has no CUDA device (then --device cpu --disable-overlap-schedule)
+    device: str = "auto"  # auto | cuda | cpu
+    # evaluation: both servers up at once, batch-1 requests interleaved; None = yes with
+    # both URLs given or CPU servers launched here, no when launching on GPUs (they share them)
+    launch_together: Optional[bool] = None
+    max_total_tokens: Optional[int] = None  # --max-total-tokens; unset on a CPU server: 8192
+    env_script: Optional[str] = None  # shell line sourced before launching, e.g. "servers/sglang-cpu/env.sh VENV"
+    env: dict[str, str] = field(default_factory=dict)  # variables set for the server process (after env_script)
     extra_args: list[str] = field(default_factory=list)
 
 
 @dataclass
 class VLLMEngineConfig:
-    """A live vLLM OpenAI-compatible server: connect to ``baseline_url`` /
-    ``speculative_url`` or launch each in turn.
+    """Two live vLLM OpenAI-compatible servers for served evaluation: connect to
+    ``baseline_url`` / ``speculative_url``, or launch both at once here (the baseline on
+    ``port``, the speculative one on ``port + 1``).
 
     Launching runs ``<python> -m vllm.entrypoints.openai.api_server`` (``python`` is the
     server's own virtual environment: vLLM pins its own transformers) with every flag
     below explicit, the drafter given as ``--speculative-config '{"method": "eagle3",
-    "model": <export/vllm>, "num_speculative_tokens": num_steps}'``, and waits on
-    ``/health`` up to ``launch_timeout_s`` (CPU startup compiles for 2-4 minutes).
-    ``kv_cache_space_gb`` sets ``VLLM_CPU_KVCACHE_SPACE`` on a CPU build;
+    "model": <export/vllm>, "num_speculative_tokens": num_steps}'``, and
+    ``VLLM_SERVER_DEV_MODE=1`` so that ``/server_info`` reports the effective config; it
+    waits on ``/health`` up to ``launch_timeout_s`` (CPU startup compiles for 2-7 minutes).
+    ``device`` (``auto`` asks the server's torch) picks the build's flags:
+    ``kv_cache_space_gb`` sets ``VLLM_CPU_KVCACHE_SPACE`` on a CPU build,
     ``gpu_memory_utilization`` is passed on a GPU build only. ``max_num_seqs`` is vLLM's
-    cap on running requests (read back from the server and reported).
+    cap on running requests, read back from ``/server_info`` (or the launch log) and
+    reported; a tested concurrency above it is warned about.
     """
 
     name: str = "vllm"

@@ -263,7 +263,7 @@ def test_config_aux_ids_that_disagree_with_the_meta_are_refused(tmp_path, tok_di
     with pytest.raises(Eagle3Error) as e:
         run_evaluate(served_cfg(tmp_path, tok_dir, fake_servers, export))
     assert str(e.value) == (
-        f"{export}/config.json has the SGLang aux ids [2, 4, 5], which a llama server captures as HF layers "
+        f"{export}/config.json has the SGLang aux ids [2, 4, 5], which SGLang serving a llama target captures as HF layers "
         "[3, 5, 6], but eagle3_meta.json records aux_layer_ids [2, 4, 5] (SGLang ids [1, 3, 4]); re-export the drafter")
     assert not (tmp_path / "eval" / "report.json").exists()
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from eagle3.errors import Eagle3Error
-from eagle3.target import from_sglang_ids, to_sglang_ids
+from eagle3.target import engine_captured_ids, to_engine_ids
 
 META_FILE = "eagle3_meta.json"
 
@@ -142,13 +142,15 @@ def check_aux_ids(export, manifest: Optional[dict], architecture: str) -> list[s
     """Check that a server would capture the aux layers the drafter's features had; return warnings.
 
     Two checks: ``config.json``'s ``eagle_config.eagle_aux_hidden_state_layer_ids``
-    (SGLang's convention, :mod:`eagle3.target.layers`) must make a server of
-    ``architecture`` capture the HF ids in ``eagle3_meta.json`` (``aux_layer_ids``); and
+    (in the convention of the engine the export is for, ``export.convention``: SGLang's
+    +1 rule or vLLM's ids as given, :mod:`eagle3.target.layers`) must make that engine
+    serving a target of ``architecture`` capture the HF ids in ``eagle3_meta.json``
+    (``aux_layer_ids``); and
     those must be the ids the training features were captured with (each manifest's
     ``metadata.aux_layer_ids``, from :func:`load_train_manifest`).
 
     Args:
-        export: :class:`eagle3.export.SGLangExport` from :func:`read_export`.
+        export: :class:`eagle3.export.SGLangExport` from :func:`read_export` (an SGLang or a vLLM export).
         manifest: from :func:`load_train_manifest`, or None (then the second check cannot
             be made, which is a warning).
         architecture: the configured target's family (``model.architecture``).
@@ -159,18 +161,21 @@ def check_aux_ids(export, manifest: Optional[dict], architecture: str) -> list[s
     meta, d = export.meta, export.dir
     if not meta:
         return []  # check_export already warns that the export's provenance cannot be checked
-    hf, sg = meta.get("aux_layer_ids"), export.sglang_aux_ids
+    engine = getattr(export, "convention", "sglang")
+    shown = {"sglang": "SGLang", "vllm": "vLLM"}.get(engine, engine)
+    written = getattr(export, "written_aux_ids", None)
+    hf, sg = meta.get("aux_layer_ids"), (written if written is not None else export.sglang_aux_ids)
     if hf is None or sg is None:
         field = f"{META_FILE} field 'aux_layer_ids'" if hf is None else \
             "config.json field 'eagle_config.eagle_aux_hidden_state_layer_ids'"
         raise Eagle3Error(f"{d} lacks the {field}, so the layers a server captures cannot be checked; re-export the drafter")
     hf = list(hf)
-    captured = from_sglang_ids(sg, architecture)
+    captured = engine_captured_ids(sg, engine, architecture)
     if captured != hf:
         raise Eagle3Error(
-            f"{d}/config.json has the SGLang aux ids {sg}, which a {architecture} server captures as HF layers "
-            f"{captured}, but {META_FILE} records aux_layer_ids {hf} (SGLang ids {_sglang_ids(hf, architecture)}); "
-            "re-export the drafter"
+            f"{d}/config.json has the {shown} aux ids {sg}, which {shown} serving a {architecture} target captures "
+            f"as HF layers {captured}, but {META_FILE} records aux_layer_ids {hf} ({shown} ids "
+            f"{_engine_ids(hf, engine, architecture)}); re-export the drafter"
         )
     feats = (manifest or {}).get("features")
     if not feats:
@@ -186,7 +191,7 @@ def check_aux_ids(export, manifest: Optional[dict], architecture: str) -> list[s
                             f"layer ids {hf} could not be checked against it")
         elif list(ids) != hf:
             raise Eagle3Error(
-                f"the export at {d} makes the server capture aux layers {hf} (HF ids; SGLang ids {sg} in config.json) "
+                f"the export at {d} makes the server capture aux layers {hf} (HF ids; {shown} ids {sg} in config.json) "
                 f"but its training features in {f['dir']} were captured from layers {list(ids)}; re-export the "
                 f"drafter from its training run with aux_layer_ids {list(ids)}, or retrain it on features of the "
                 "layers you want"
@@ -201,10 +206,10 @@ def check_aux_ids(export, manifest: Optional[dict], architecture: str) -> list[s
     return warnings
 
 
-def _sglang_ids(hf_ids: list[int], architecture: str) -> str:
-    """``to_sglang_ids`` as text, or why the ids cannot be written for SGLang."""
+def _engine_ids(hf_ids: list[int], engine: str, architecture: str) -> str:
+    """``to_engine_ids`` as text, or why the ids cannot be written for that engine."""
     try:
-        return str(to_sglang_ids(hf_ids, architecture))
+        return str(to_engine_ids(hf_ids, engine, architecture))
     except Eagle3Error:
         return "none: not expressible"
 

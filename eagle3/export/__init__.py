@@ -1,14 +1,19 @@
-"""Drafter exports in the formats servers load (SGLang, and vLLM through speculators), and reading them back."""
+"""Drafter exports in the formats servers load (SGLang, vLLM, and vLLM through speculators), and reading them back."""
 
 from __future__ import annotations
 
 from eagle3.export.files import (  # noqa: F401
     META_FILE,
     DTYPES,
+    CONVENTION_FIELD,
+    CONVENTIONS,
+    export_convention,
+    check_convention,
 )
 from eagle3.export.sglang import (  # noqa: F401
     sglang_config,
     sglang_state_dict,
+    write_eagle3_export,
     export_sglang,
     load_sglang_export,
 )
@@ -19,6 +24,10 @@ from eagle3.export.validate import (  # noqa: F401
     check_vocab_maps,
     read_json_object,
     read_sglang_export,
+)
+from eagle3.export.vllm import (  # noqa: F401
+    export_vllm,
+    read_vllm_export,
 )
 from eagle3.export.speculators import (  # noqa: F401
     speculators_available,

@@ -27,7 +27,8 @@ drafters are exported for it.
 
 Reading an export back checks every file first (:mod:`eagle3.export.validate`), so a
 damaged export is refused in one sentence naming the file and the field. The vLLM
-format is :mod:`eagle3.export.speculators`.
+exports are :mod:`eagle3.export.vllm` (the same files with vLLM's aux ids) and
+:mod:`eagle3.export.speculators`.
 """
 
 from __future__ import annotations
@@ -42,10 +43,10 @@ from safetensors.torch import save_file
 
 from eagle3.train.drafter import DrafterArch, Eagle3Drafter
 from eagle3.errors import Eagle3Error
-from eagle3.export.files import META_FILE, dtype_name, staging_dir, write_json
+from eagle3.export.files import CONVENTION_FIELD, CONVENTIONS, META_FILE, dtype_name, staging_dir, write_json
 from eagle3.export.validate import SGLANG_ARCHITECTURE, WEIGHTS_FILE, read_sglang_export
 from eagle3.io import replace_dir
-from eagle3.target import from_sglang_ids, to_sglang_ids
+from eagle3.target import from_sglang_ids, to_engine_ids
 
 
 def sglang_config(arch: DrafterArch, sglang_aux_ids: list[int], dtype: torch.dtype) -> dict:
@@ -53,8 +54,9 @@ def sglang_config(arch: DrafterArch, sglang_aux_ids: list[int], dtype: torch.dty
 
     Args:
         arch: the drafter's sizes.
-        sglang_aux_ids: the 3 aux layer ids in SGLang's convention for the target's
-            architecture (:func:`eagle3.target.layers.to_sglang_ids`).
+        sglang_aux_ids: the 3 aux layer ids in the serving engine's convention: SGLang's
+            for the target's architecture (:func:`eagle3.target.layers.to_sglang_ids`),
+            or vLLM's (HF ids, :func:`eagle3.target.layers.to_vllm_ids`).
         dtype: weight dtype on disk, written as ``torch_dtype``.
 
     Raises:
@@ -109,49 +111,85 @@ def sglang_state_dict(drafter: Eagle3Drafter, dtype: torch.dtype) -> dict[str, t
     return out
 
 
-def export_sglang(drafter: Eagle3Drafter, out_dir: str | os.PathLike, meta: dict,
-                  dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write ``drafter`` in SGLang's EAGLE-3 format to ``out_dir`` (atomically).
+def _engine_state_dict(drafter: Eagle3Drafter, dtype: torch.dtype, convention: str) -> dict[str, torch.Tensor]:
+    """:func:`sglang_state_dict`; for vLLM without ``d2t`` / ``t2d`` when the draft vocabulary is the
+    whole target vocabulary: vLLM's ``Eagle3LlamaForCausalLM`` then has no ``draft_id_to_target_id``
+    parameter and refuses a file that carries one (``llama_eagle3.py``, ``load_weights``)."""
+    sd = sglang_state_dict(drafter, dtype)
+    if convention != "vllm" or drafter.arch.draft_vocab_size != drafter.arch.vocab_size:
+        return sd
+    if bool(sd["d2t"].any()):
+        raise Eagle3Error("vLLM reads a drafter whose draft vocabulary is the whole target vocabulary in the target's "
+                          "order, but this one's d2t permutes it; retrain with a smaller drafter.draft_vocab_size")
+    return {k: v for k, v in sd.items() if k not in ("d2t", "t2d")}
+
+
+def write_eagle3_export(drafter: Eagle3Drafter, out_dir: str | os.PathLike, meta: dict, convention: str,
+                        dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write ``drafter`` as an EAGLE-3 checkpoint for ``convention``'s engine (atomically).
+
+    SGLang and vLLM both load the ``LlamaForCausalLMEagle3`` layout above (vLLM's
+    ``vllm/model_executor/models/llama_eagle3.py`` reads the same flat names and
+    ``d2t``); the files are identical except for ``eagle_aux_hidden_state_layer_ids``
+    in ``config.json``, written with :func:`eagle3.target.layers.to_engine_ids`, and the
+    ``eagle3_meta.json`` fields ``aux_id_convention`` and ``<convention>_aux_layer_ids``
+    (and, for vLLM, no ``d2t`` / ``t2d`` when the draft vocabulary is the target's whole one).
 
     Args:
         drafter: a one-layer :class:`~eagle3.train.drafter.Eagle3Drafter`.
         meta: provenance (see :data:`META_FILE`); must hold ``aux_layer_ids`` (HF
             convention, 3 ids) and ``target.architecture`` (``llama`` |
             ``deepseek_v2``), which decide the ids written in ``config.json``.
-        dtype: weight dtype on disk (SGLang serves drafters in bf16).
+        convention: ``sglang`` | ``vllm`` (:data:`~eagle3.export.files.CONVENTIONS`).
+        dtype: weight dtype on disk (both engines serve drafters in bf16).
 
     Returns:
         ``out_dir`` as a Path.
 
     Raises:
-        Eagle3Error: more than one layer, missing aux ids/architecture, or ids that
-            SGLang cannot express for that architecture.
+        Eagle3Error: more than one layer, missing aux ids/architecture, an unknown
+            convention, ids that SGLang cannot express for that architecture, or (vLLM) a
+            full-size draft vocabulary in another order than the target's.
     """
     out = Path(out_dir)
     arch = drafter.arch
+    if convention not in CONVENTIONS:
+        raise Eagle3Error(f"no export is known for engine '{convention}'; use one of {list(CONVENTIONS)}")
     if arch.num_layers != 1:
         raise Eagle3Error(
-            f"SGLang loads EAGLE-3 drafters with exactly one decoder layer; this one has {arch.num_layers} "
-            "(set drafter.num_layers=1, or export.sglang=false)"
+            f"{convention} loads EAGLE-3 drafters with exactly one decoder layer; this one has {arch.num_layers} "
+            f"(set drafter.num_layers=1, or export.{convention}=false)"
         )
     aux = meta.get("aux_layer_ids")
     family = (meta.get("target") or {}).get("architecture")
     if not aux or len(aux) != 3 or not family:
         raise Eagle3Error("export metadata needs aux_layer_ids (3 HF ids) and target.architecture")
-    sg_ids = to_sglang_ids(list(aux), family)
+    ids = to_engine_ids(list(aux), convention, family)
     tmp = staging_dir(out)
     tmp.mkdir(parents=True)
-    save_file(sglang_state_dict(drafter, dtype), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    write_json(tmp / "config.json", sglang_config(arch, sg_ids, dtype))
+    save_file(_engine_state_dict(drafter, dtype, convention), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    write_json(tmp / "config.json", sglang_config(arch, ids, dtype))
     full_meta = dict(meta)
-    full_meta.update(
-        aux_layer_ids=list(aux),
-        sglang_aux_layer_ids=sg_ids,
-        draft_vocab_size=arch.draft_vocab_size,
-    )
+    full_meta.update({
+        "aux_layer_ids": list(aux),
+        f"{convention}_aux_layer_ids": ids,
+        CONVENTION_FIELD: convention,
+        "draft_vocab_size": arch.draft_vocab_size,
+    })
     write_json(tmp / META_FILE, full_meta)
     replace_dir(tmp, out)
     return out
+
+
+def export_sglang(drafter: Eagle3Drafter, out_dir: str | os.PathLike, meta: dict,
+                  dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write ``drafter`` in SGLang's EAGLE-3 format to ``out_dir`` (atomically): aux ids in
+    SGLang's convention (:func:`write_eagle3_export` with ``convention="sglang"``).
+
+    Raises:
+        Eagle3Error: as :func:`write_eagle3_export`.
+    """
+    return write_eagle3_export(drafter, out_dir, meta, "sglang", dtype)
 
 
 def load_sglang_export(export_dir: str | os.PathLike, embed_tokens: Optional[torch.Tensor] = None,
@@ -166,7 +204,8 @@ def load_sglang_export(export_dir: str | os.PathLike, embed_tokens: Optional[tor
     d2t[i]``, SGLang's and vLLM's convention) and ``t2d`` is rebuilt from it, as SGLang
     ignores the stored one (which must agree when present). The aux layer ids the server
     will capture are ``from_sglang_ids(config ids, target.architecture)`` and must equal
-    the HF ids in ``eagle3_meta.json``.
+    the HF ids in ``eagle3_meta.json``. An export written for vLLM (``aux_id_convention:
+    vllm`` in ``eagle3_meta.json``) is refused: SGLang would read its ids as other layers.
 
     Args:
         embed_tokens: the target's ``[V, H]`` embedding table (SGLang's ``set_embed``);
@@ -183,7 +222,8 @@ def load_sglang_export(export_dir: str | os.PathLike, embed_tokens: Optional[tor
         Eagle3Error: missing or damaged files (JSON that does not parse, missing or
             non-numeric sizes, missing/extra/misshapen tensors, an unreadable safetensors
             file), a config that is not EAGLE-3, a ``d2t`` that is not a valid offset map,
-            or aux ids that do not round-trip; one sentence naming the file and the field.
+            aux ids that do not round-trip, or an export for vLLM; one sentence naming the
+            file and the field (or the right export folder).
     """
     exp = read_sglang_export(export_dir)
     d, arch, meta = exp.dir, exp.arch, exp.meta

@@ -1,4 +1,4 @@
-"""Reading an SGLang drafter export's files back, checked before any weight is used.
+"""Reading a drafter export's files back (SGLang's layout, also served by vLLM), checked before any weight is used.
 
 :func:`read_sglang_export` opens ``config.json``, ``eagle3_meta.json`` and the header of
 ``model.safetensors`` (plus the small ``d2t`` / ``t2d`` tensors) of an export written by
@@ -22,7 +22,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from eagle3.errors import Eagle3Error
-from eagle3.export.files import DTYPES, META_FILE
+from eagle3.export.files import DTYPES, META_FILE, check_convention, export_convention
 from eagle3.train.drafter import DrafterArch, Eagle3Drafter
 
 SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -60,6 +60,8 @@ class SGLangExport:
         t2d: ``[V]`` bool, rebuilt from ``d2t`` (SGLang ignores the stored one; when stored
             it was checked to agree).
         dtype: the stored weight dtype (``torch_dtype``).
+        convention: whose aux-id convention ``config.json`` uses (``sglang`` | ``vllm``,
+            from ``eagle3_meta.json``'s ``aux_id_convention``; absent = ``sglang``).
     """
 
     dir: Path
@@ -70,12 +72,19 @@ class SGLangExport:
     d2t: torch.Tensor
     t2d: torch.Tensor
     dtype: torch.dtype
+    convention: str = "sglang"
+
+    @property
+    def written_aux_ids(self) -> Optional[list[int]]:
+        """``eagle_config.eagle_aux_hidden_state_layer_ids`` as written (in :attr:`convention`), or None."""
+        ids = (self.config.get("eagle_config") or {}).get(AUX_IDS_FIELD)
+        return None if ids is None else [int(i) for i in ids]
 
     @property
     def sglang_aux_ids(self) -> Optional[list[int]]:
-        """``eagle_config.eagle_aux_hidden_state_layer_ids`` (SGLang convention), or None."""
-        ids = (self.config.get("eagle_config") or {}).get(AUX_IDS_FIELD)
-        return None if ids is None else [int(i) for i in ids]
+        """``eagle_config.eagle_aux_hidden_state_layer_ids`` (SGLang convention), or None.
+        An SGLang export only: :func:`read_sglang_export` refuses other conventions unless asked."""
+        return self.written_aux_ids
 
 
 def read_json_object(path: Path) -> dict:
@@ -207,6 +216,9 @@ def check_weights(path: Path, header: dict[str, tuple[list[int], str]], arch: Dr
         header: file key -> (shape, safetensors dtype string such as ``BF16``).
         arch: the sizes ``config.json`` declares.
 
+    ``t2d`` is optional, and so is ``d2t`` when the draft vocabulary is the whole target
+    vocabulary (then the identity map; the vLLM export leaves both out).
+
     Returns:
         Drafter state-dict name -> file key.
 
@@ -221,7 +233,8 @@ def check_weights(path: Path, header: dict[str, tuple[list[int], str]], arch: Dr
             raise Eagle3Error(f"{path} holds both {keys[name]} and {k}; re-export the drafter")
         keys[name] = k
     want = expected_shapes(arch)
-    missing = sorted(_export_key(n) for n in set(want) - set(keys) - {"t2d"})
+    optional = {"t2d"} | ({"d2t"} if arch.draft_vocab_size == arch.vocab_size else set())  # vLLM's full-vocab form
+    missing = sorted(_export_key(n) for n in set(want) - set(keys) - optional)
     extra = sorted(keys[n] for n in set(keys) - set(want))
     if missing or extra:
         raise Eagle3Error(f"{path} lacks {missing} and has unexpected {extra} for the sizes in {CONFIG_FILE}; "
@@ -291,30 +304,39 @@ def check_vocab_maps(d2t: torch.Tensor, t2d: Optional[torch.Tensor], vocab_size:
     return out
 
 
-def read_sglang_export(export_dir) -> SGLangExport:
-    """Open and check an SGLang drafter export without loading its weights.
+def read_sglang_export(export_dir, convention: str = "sglang") -> SGLangExport:
+    """Open and check a drafter export in the ``LlamaForCausalLMEagle3`` layout without
+    loading its weights.
 
     Reads ``config.json``, ``eagle3_meta.json`` (optional), the ``model.safetensors``
     header and its ``d2t`` / ``t2d`` tensors; checks them as described in the module docstring.
 
+    Args:
+        export_dir: the export folder.
+        convention: the engine the caller serves it with (``sglang`` | ``vllm``); an
+            export whose ``eagle3_meta.json`` records the other engine's aux-id convention
+            is refused (:func:`eagle3.export.files.check_convention`).
+
     Raises:
-        Eagle3Error: a missing file, or anything the checks refuse, in one sentence naming
-            the file and the field.
+        Eagle3Error: a missing file, an export for the other engine (naming the right
+            folder), or anything the checks refuse, in one sentence naming the file and the field.
     """
     d = Path(export_dir)
     for f in (CONFIG_FILE, WEIGHTS_FILE):
         if not (d / f).is_file():
-            raise Eagle3Error(f"{d} has no {f}; point to an SGLang drafter export (<output_dir>/export/sglang)")
+            raise Eagle3Error(f"{d} has no {f}; point to a drafter export (<output_dir>/export/{convention})")
     cfg = read_json_object(d / CONFIG_FILE)
     meta = read_json_object(d / META_FILE) if (d / META_FILE).exists() else {}
+    check_convention(d, meta, convention)
     arch = arch_from_sglang_config(cfg, str(d / CONFIG_FILE))
     _check_config_and_meta(d, cfg, meta)
     keys = check_weights(d / WEIGHTS_FILE, _read_header(d / WEIGHTS_FILE), arch)
     try:
         with safe_open(str(d / WEIGHTS_FILE), framework="pt") as f:
-            d2t = f.get_tensor(keys["d2t"])
+            d2t = f.get_tensor(keys["d2t"]) if "d2t" in keys else torch.zeros(arch.draft_vocab_size, dtype=torch.int64)
             stored = f.get_tensor(keys["t2d"]) if "t2d" in keys else None
     except (SafetensorError, OSError) as e:
         raise Eagle3Error(f"{d / WEIGHTS_FILE} cannot be read ({e}); copy or re-export the drafter") from None
     t2d = check_vocab_maps(d2t, stored, arch.vocab_size, d / WEIGHTS_FILE)
-    return SGLangExport(d, cfg, meta, arch, keys, d2t.to(torch.int64), t2d, DTYPES[cfg.get("torch_dtype") or "bfloat16"])
+    return SGLangExport(d, cfg, meta, arch, keys, d2t.to(torch.int64), t2d, DTYPES[cfg.get("torch_dtype") or "bfloat16"],
+                        export_convention(meta))

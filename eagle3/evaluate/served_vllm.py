@@ -1,0 +1,214 @@
+"""``engine=vllm``: the drafter's vLLM export served by a real vLLM server, against a baseline.
+
+:func:`run_vllm_stage` (called by :func:`eagle3.evaluate.run.run_evaluate`):
+
+1. reads and checks the export as vLLM will serve it (:func:`eagle3.export.read_vllm_export`:
+   files, ``d2t``, aux ids in vLLM's convention; an SGLang export is refused with the
+   ``export/vllm`` folder to use), its aux ids against the training features, its
+   provenance against the configured target (content hash, quantization, chat template)
+   and its sizes (:mod:`eagle3.evaluate.provenance`);
+2. opens two servers at once (:mod:`eagle3.evaluate.served_vllm_servers`): a baseline (no
+   drafter) and a speculative one serving the export, and reads back their effective settings;
+3. measures batch-1 pairs and the concurrency sweep (:mod:`eagle3.evaluate.served_vllm_measure`),
+   builds the results (:mod:`eagle3.evaluate.served_vllm_results`), writes the report
+   (:func:`eagle3.evaluate.report.write_report`), the throughput plot and the request log.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+from eagle3.errors import Eagle3Error
+
+log = logging.getLogger("eagle3")
+
+REQUESTS_NAME = "vllm_requests.jsonl"
+
+
+def read_checked_export(cfg: Any, warnings: list[str]):
+    """The export as vLLM serves it, its features and provenance checked; returns
+    ``(export, training manifest or None, target info, tokenizer)`` and extends ``warnings``.
+
+    Raises:
+        Eagle3Error: no export / a damaged one / an export for SGLang; aux ids that disagree
+            with the training features; a chat-template mismatch; a drafter that does not fit.
+    """
+    from eagle3.evaluate.provenance import check_drafter_fits, check_export, load_train_manifest
+    from eagle3.export import read_vllm_export
+    from eagle3.target import chat_template_hash, load_tokenizer, resolve_target
+
+    d = Path(cfg.drafter_dir)
+    if not (d / "config.json").is_file():
+        raise Eagle3Error(f"no drafter export at {d} (config.json missing); run train.py first or set "
+                          "drafter_dir=<train output_dir>/export/vllm")
+    export = read_vllm_export(d)
+    manifest, w = load_train_manifest(export.meta)
+    warnings += w + check_feature_aux_ids(export, manifest, cfg.model.architecture)
+    info = resolve_target(cfg.model, cfg.cache_dir)
+    tokenizer = load_tokenizer(cfg.model, cfg.cache_dir, info)
+    warnings += check_export(export.meta, info, chat_template_hash(tokenizer))
+    check_drafter_fits(export.arch, export.meta, info, d)
+    return export, manifest, info, tokenizer
+
+
+def check_feature_aux_ids(export, manifest: Optional[dict], architecture: str) -> list[str]:
+    """:func:`eagle3.evaluate.provenance.check_aux_ids` for a vLLM export: the ids vLLM
+    captures (as written) must be the trained ones and those of the training features.
+
+    Raises:
+        Eagle3Error: the config ids, the metadata and the training features disagree.
+    """
+    from eagle3.evaluate.provenance import check_aux_ids
+
+    return check_aux_ids(export, manifest, architecture)
+
+
+def run_vllm_stage(cfg: Any, settings, warnings: list[str]) -> dict:
+    """``engine=vllm`` from the export to the report (module docstring); returns the results.
+
+    Args:
+        cfg: ``EvaluateConfig`` with ``engine`` a ``VLLMEngineConfig``.
+        settings: :class:`eagle3.spec.SpecSettings` (already validated).
+        warnings: the stage's warnings so far.
+
+    Raises:
+        Eagle3Error: as :func:`read_checked_export`, :func:`open_servers`, :func:`check_servers`,
+            a bad ``concurrency`` list, benchmark problems, or a request that keeps failing.
+    """
+    from eagle3.evaluate.benchmarks import benchmark_names, load_benchmarks
+    from eagle3.evaluate.report import write_report
+    from eagle3.paths import stage_output_dir
+
+    warnings = list(warnings)
+    concurrency = sorted({int(c) for c in cfg.concurrency})
+    if not concurrency or min(concurrency) < 1:
+        raise Eagle3Error(f"concurrency {list(cfg.concurrency)} must list positive request counts, e.g. [1, 4, 16]")
+    if int(settings.topk) != 1:
+        warnings.append(f"vLLM's EAGLE-3 proposes a chain (topk 1); speculative.topk={settings.topk} is not used")
+    export, manifest, info, tokenizer = read_checked_export(cfg, warnings)
+    names = benchmark_names(cfg.data)
+    benchmarks = load_benchmarks(cfg, names, manifest)
+    output_dir = stage_output_dir(cfg)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    for w in warnings:
+        log.warning(w)
+    results = evaluate_servers(cfg, settings, export, info, tokenizer, benchmarks, concurrency, output_dir)
+    results["warnings"] = warnings + results["warnings"]
+    write_report(output_dir, results)
+    return results
+
+
+def _request_body(cfg: Any, tokenizer) -> dict:
+    """What every completion shares: the served name, greedy or seeded sampling, max tokens,
+    and the target's end-of-turn ids as stop tokens (as the hf engine stops)."""
+    from eagle3.target import end_of_turn_ids
+
+    body = {"model": str(cfg.engine.served_model_name), "max_tokens": int(cfg.max_new_tokens),
+            "temperature": float(cfg.temperature), "top_p": float(cfg.top_p), "ignore_eos": False,
+            "stop_token_ids": [int(i) for i in end_of_turn_ids(tokenizer)]}
+    if float(cfg.temperature) > 0:
+        body["seed"] = int(cfg.seed)
+    return body
+
+
+def evaluate_servers(cfg: Any, settings, export, info, tokenizer, benchmarks: dict, concurrency: list[int],
+                     output_dir: Path) -> dict:
+    """Open both servers, measure, stop what was launched here; the results dict
+    (``engine: vllm``, the served results' shape, :mod:`eagle3.evaluate.served_vllm_results`).
+
+    Raises:
+        Eagle3Error: as :func:`eagle3.evaluate.served_vllm_servers.open_servers` /
+            :func:`~eagle3.evaluate.served_vllm_servers.check_servers`, or a failing request.
+    """
+    from eagle3.evaluate.served_results import PLOT_NAME, plot_throughput
+    from eagle3.evaluate.served_vllm_measure import Servers, measure_pairs, sweep_concurrency, warm_up
+    from eagle3.evaluate.served_vllm_servers import cap_warnings, check_servers, open_servers
+    from eagle3.target import render_prompt, resolve_target
+
+    rows = {n: [dict(id=r["id"], messages=r["messages"]) for r in ds] for n, ds in benchmarks.items()}
+    model_path = str(Path(resolve_target(cfg.model, cfg.cache_dir).path).resolve())
+    opened = open_servers(cfg, model_path, export.dir, output_dir)
+    try:
+        desc = {role: s.describe() for role, s in opened.items()}
+        warnings = check_servers(desc, cfg, export) + cap_warnings(desc, concurrency)
+        for w in warnings:
+            log.warning(w)
+        servers = Servers(opened["baseline"].client, opened["speculative"].client, _request_body(cfg, tokenizer))
+        first = next(iter(rows.values()))[0]
+        warm_up(servers, render_prompt(tokenizer, [m for m in first["messages"] if m["role"] == "user"][:1]),
+                int(cfg.warmup_prompts))
+        pairs = measure_pairs(servers, rows, lambda msgs: render_prompt(tokenizer, msgs),
+                              lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+        prompts = {n: [p.prompt_ids for p in ps] for n, ps in pairs.items()}
+        sweep = sweep_concurrency(servers, prompts, concurrency)
+    finally:
+        for s in opened.values():
+            s.stop()
+    results = assemble(cfg, settings, pairs, sweep, desc, concurrency, warnings)
+    plot_throughput(results, output_dir / PLOT_NAME)
+    write_request_log(pairs, sweep, output_dir / REQUESTS_NAME)
+    return results
+
+
+def assemble(cfg: Any, settings, pairs: dict, sweep: dict, desc: dict, concurrency: list[int],
+             warnings: list[str]) -> dict:
+    """The results dict from the measures (the report's shape, ``engine: vllm``)."""
+    from eagle3.evaluate.served_vllm_results import benchmark_verdict, concurrency_table, pair_summary
+
+    spec_eff = desc["speculative"]["effective"]
+    depth = int((spec_eff.get("speculative_config") or {}).get("num_speculative_tokens") or settings.num_steps)
+    names = list(pairs)
+    per, pooled = concurrency_table(sweep, names, concurrency, depth)
+    benches = {}
+    for n in names:
+        b = pair_summary(pairs[n], depth, int(cfg.seed))
+        b["concurrency"] = per[n]
+        b["verdict"], b["verdict_notes"] = benchmark_verdict(b, spec_eff.get("max_num_seqs"))
+        benches[n] = b
+        if b["lossless_matches"] < b["lossless_checked"]:
+            warnings.append(f"{n}: {b['lossless_checked'] - b['lossless_matches']} of {b['lossless_checked']} prompts "
+                            f"differ from the baseline's greedy output; first mismatch {b['lossless_first_mismatch']}")
+        warnings.append(f"{n}: {b['speedup_statement']} at batch 1 over {len(b['speedup_per_prompt'])} prompts")
+    return {
+        "engine": "vllm",
+        "benchmarks": benches,
+        "concurrency": pooled,
+        "servers": desc,
+        "speculative": {"num_steps": depth, "topk": 1, "num_draft_tokens": depth + 1},
+        "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens},
+        "settings": {"drafter_dir": str(Path(cfg.drafter_dir)), "target": cfg.model.name,
+                     "dtype": cfg.model.dtype, "seed": int(cfg.seed), "limit": cfg.data.limit,
+                     "warmup_prompts": int(cfg.warmup_prompts), "tau": "1 + accepted / drafts (vLLM counters)",
+                     "max_num_seqs": spec_eff.get("max_num_seqs"),
+                     "max_num_seqs_source": spec_eff.get("max_num_seqs_source")},
+        "warnings": warnings,
+        "plots": {"throughput_vs_concurrency": "throughput_vs_concurrency.png"},
+    }
+
+
+def write_request_log(pairs: dict, sweep: dict, path: Path) -> None:
+    """Every measured request as one JSON line (phase, role, timings, tokens, counter deltas); atomic."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        for ps in pairs.values():
+            for p in ps:
+                for role, c in (("baseline", p.base), ("speculative", p.spec)):
+                    rec = {"phase": "batch1", "role": role, "benchmark": p.benchmark, "sample_id": p.sample_id,
+                           "turn": p.turn, "prompt_tokens": len(p.prompt_ids), "completion_tokens": c.completion_tokens,
+                           "ttft_s": c.ttft_s, "latency_s": c.latency_s, "finish_reason": c.finish_reason,
+                           "first_of_pair": p.order[0] == role, "output_ids": c.output_ids}
+                    if role == "speculative":
+                        rec.update(drafts=p.counters.drafts, draft_tokens=p.counters.draft_tokens,
+                                   accepted=p.counters.accepted, accepted_per_position=p.counters.per_position)
+                    f.write(json.dumps(rec) + "\n")
+        for role, by_c in sweep.items():
+            for c, by_b in by_c.items():
+                for name, run in by_b.items():
+                    f.write(json.dumps({"phase": "sweep", "role": role, "concurrency": c, "benchmark": name,
+                                        "duration_s": run.duration_s, "output_tokens": run.output_tokens,
+                                        "ran_first": run.order_index == 0}) + "\n")
+    os.replace(tmp, path)

@@ -1,0 +1,186 @@
+"""The requests of a vLLM served evaluation: batch-1 pairs and the concurrency sweep.
+
+:func:`measure_pairs` sends every user turn of every benchmark prompt to the baseline
+and the speculative server one request at a time, the two in alternating order from
+prompt to prompt (so drift of a shared machine hits both alike), with the same
+rendered prompt ids (a later turn carries the *baseline's* decoded answer, so both
+servers see identical prompts and the greedy outputs can be compared); the speculative
+server's ``/metrics`` counters are read before and after each of its requests, which
+makes the delta that request's own (nothing else runs on it).
+
+:func:`sweep_concurrency` runs each benchmark's turn prompts on both servers with at most
+``c`` requests in flight, baseline and speculative alternating which goes first, the
+prefix cache reset before each run where the server allows it; the speculative server's
+counter delta over the run gives its tau under load.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from eagle3.engines.vllm import Completion, SpecCounters, VLLMClient, spec_counters
+
+log = logging.getLogger("eagle3")
+
+ROLES = ("baseline", "speculative")
+
+
+@dataclass
+class Pair:
+    """One turn sent to both servers at batch 1.
+
+    ``prompt_ids``: the rendered prompt; ``base`` / ``spec``: the two answers;
+    ``counters``: the speculative server's counter delta over its request; ``order``:
+    which role went first.
+    """
+
+    benchmark: str
+    sample_id: str
+    turn: int
+    prompt_ids: list[int]
+    base: Completion
+    spec: Completion
+    counters: SpecCounters
+    order: tuple[str, str] = ROLES
+
+
+@dataclass
+class SweepRun:
+    """One server's run of one benchmark at one concurrency: answers, wall seconds, counter delta."""
+
+    completions: list[Completion]
+    duration_s: float
+    counters: Optional[SpecCounters] = None
+    order_index: int = 0
+
+    @property
+    def output_tokens(self) -> int:
+        """Completion tokens of the run."""
+        return sum(c.completion_tokens for c in self.completions)
+
+
+@dataclass
+class Servers:
+    """The two clients and the request body every completion shares."""
+
+    baseline: VLLMClient
+    speculative: VLLMClient
+    body: dict = field(default_factory=dict)
+
+    def client(self, role: str) -> VLLMClient:
+        """The client of ``role`` (``baseline`` | ``speculative``)."""
+        return self.baseline if role == "baseline" else self.speculative
+
+
+def _user_turns(sample: dict) -> list[str]:
+    return [m["content"] for m in sample["messages"] if m.get("role") == "user"]
+
+
+def settled_counters(client: VLLMClient, tries: int = 10, pause_s: float = 0.05) -> SpecCounters:
+    """The server's counters once two reads ``pause_s`` apart agree (the last engine step's
+    stats may land just after the answer), at most ``tries`` reads."""
+    last = spec_counters(client.metrics_text())
+    for _ in range(tries - 1):
+        time.sleep(pause_s)
+        now = spec_counters(client.metrics_text())
+        if now == last:
+            return now
+        last = now
+    return last
+
+
+def _one(servers: Servers, role: str, prompt: list[int]) -> tuple[Completion, Optional[SpecCounters]]:
+    """One request; the speculative one between two ``/metrics`` reads."""
+    client = servers.client(role)
+    body = dict(servers.body, prompt=list(prompt))
+    if role != "speculative":
+        return client.complete(body), None
+    before = settled_counters(client)
+    res = client.complete(body)
+    return res, settled_counters(client) - before
+
+
+def warm_up(servers: Servers, prompt: list[int], n: int) -> None:
+    """``n`` unmeasured requests of ``prompt`` to each server."""
+    for _ in range(int(n)):
+        for role in ROLES:
+            servers.client(role).complete(dict(servers.body, prompt=list(prompt)))
+
+
+def measure_pairs(servers: Servers, benchmarks: dict[str, list[dict]], render: Callable[[list[dict]], list[int]],
+                  decode: Callable[[list[int]], str]) -> dict[str, list[Pair]]:
+    """Every turn of every prompt on both servers at batch 1, interleaved (see the module docstring).
+
+    Args:
+        benchmarks: name -> rows with ``id`` and ``messages``.
+        render: messages -> prompt ids (the target's chat template). decode: ids -> text.
+
+    Returns:
+        ``{benchmark: [Pair, ...]}`` in prompt order.
+
+    Raises:
+        eagle3.errors.Eagle3Error: a request that keeps failing.
+    """
+    from tqdm.auto import tqdm
+
+    out: dict[str, list[Pair]] = {}
+    total = sum(len(rows) for rows in benchmarks.values())
+    bar = tqdm(total=total, desc="batch-1 pairs (baseline / speculative)", leave=False)
+    k = 0
+    for name, rows in benchmarks.items():
+        out[name] = []
+        for sample in rows:
+            order = ROLES if k % 2 == 0 else ROLES[::-1]
+            history: list[dict] = []
+            for turn, text in enumerate(_user_turns(sample)):
+                history.append({"role": "user", "content": text})
+                prompt = render(history)
+                got = {role: _one(servers, role, prompt) for role in order}
+                out[name].append(Pair(name, str(sample["id"]), turn, prompt, got["baseline"][0], got["speculative"][0],
+                                      got["speculative"][1], order))
+                history.append({"role": "assistant", "content": decode(got["baseline"][0].output_ids)})
+            k += 1
+            bar.update(1)
+        log.info("%s: %d turns measured at batch 1", name, len(out[name]))
+    bar.close()
+    return out
+
+
+def _run(servers: Servers, role: str, prompts: list[list[int]], c: int) -> SweepRun:
+    client = servers.client(role)
+    client.reset_prefix_cache()
+    before = settled_counters(client) if role == "speculative" else None
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=max(1, min(c, len(prompts)))) as pool:
+        done = list(pool.map(lambda p: client.complete(dict(servers.body, prompt=list(p))), prompts))
+    dur = time.perf_counter() - t0
+    delta = settled_counters(client) - before if before is not None else None
+    return SweepRun(done, dur, delta)
+
+
+def sweep_concurrency(servers: Servers, prompts: dict[str, list[list[int]]],
+                      concurrency: list[int]) -> dict[str, dict[int, dict[str, SweepRun]]]:
+    """Both servers, every benchmark, every concurrency (see the module docstring).
+
+    Returns:
+        ``{role: {c: {benchmark: SweepRun}}}``.
+    """
+    out: dict[str, dict[int, dict[str, SweepRun]]] = {r: {} for r in ROLES}
+    k = 0
+    for c in concurrency:
+        for r in ROLES:
+            out[r][c] = {}
+        for name, ps in prompts.items():
+            order = ROLES if k % 2 == 0 else ROLES[::-1]
+            for i, role in enumerate(order):
+                run = _run(servers, role, ps, c)
+                run.order_index = i
+                out[role][c][name] = run
+                log.info("%s %s c=%d: %.1f output tok/s%s", role, name, c, run.output_tokens / run.duration_s,
+                         f", tau {run.counters.tau:.2f}" if run.counters and run.counters.tau else "")
+            k += 1
+    return out

@@ -1,0 +1,370 @@
+"""engine=vllm without a server: the per-engine exports, /metrics parsing on recorded real
+text, the launch command, read-back of effective settings, and the served measures."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from eagle3.engines.vllm import (
+    Completion,
+    SpecCounters,
+    VLLMClient,
+    effective_settings,
+    info_labels,
+    max_num_seqs_from_log,
+    parse_prometheus,
+    render_vllm_command,
+    spec_counters,
+    speculative_config,
+    vllm_env,
+)
+from eagle3.errors import Eagle3Error
+from eagle3.evaluate.served_vllm_measure import Pair
+from eagle3.evaluate.served_vllm_results import bootstrap_median_ci, lossless, pair_summary, speedup_statement
+from eagle3.evaluate.served_vllm_servers import check_servers
+from eagle3.export import export_sglang, export_vllm, load_sglang_export, read_sglang_export, read_vllm_export
+from eagle3.target import engine_captured_ids
+from eagle3.train.drafter import DrafterArch, Eagle3Drafter
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+FIX = Path(__file__).parent / "fixtures"
+V, VD, H = 64, 16, 16
+ARCH = DrafterArch(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=4, intermediate_size=32,
+                   num_layers=1, target_hidden_size=H, vocab_size=V, draft_vocab_size=VD)
+TRAINED = [2, 5, 8]  # HF output_hidden_states ids the drafter was trained on
+
+
+def _drafter() -> Eagle3Drafter:
+    torch.manual_seed(0)
+    m = Eagle3Drafter(ARCH)
+    ids = torch.arange(0, 2 * VD, 2)
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[ids] = True
+    m.set_draft_vocab(ids - torch.arange(VD), t2d)
+    return m.eval()
+
+
+META = {"target": {"name": "tiny", "architecture": "llama", "content_hash": "sha256:abc"},
+        "aux_layer_ids": TRAINED, "features_manifest_sha256": "f" * 64}
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    root = tmp_path_factory.mktemp("run") / "export"
+    d = _drafter()
+    return export_sglang(d, root / "sglang", dict(META)), export_vllm(d, root / "vllm", dict(META))
+
+
+# --------------------------------------------------------------------------- exports
+
+
+def test_vllm_export_writes_hf_ids_that_vllm_captures_as_the_trained_layers(exports):
+    sg, vl = exports
+    sg_ids = json.loads((sg / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    vl_ids = json.loads((vl / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    assert vl_ids == TRAINED and sg_ids == [1, 4, 7]  # SGLang's Llama rule: captured = written + 1
+    assert engine_captured_ids(vl_ids, "vllm", "llama") == TRAINED
+    assert engine_captured_ids(sg_ids, "sglang", "llama") == TRAINED
+    # the SGLang export served by vLLM would feed the drafter the layer below each trained one
+    assert engine_captured_ids(sg_ids, "vllm", "llama") == [i - 1 for i in TRAINED]
+    assert json.loads((vl / "eagle3_meta.json").read_text())["aux_id_convention"] == "vllm"
+    assert json.loads((sg / "eagle3_meta.json").read_text())["aux_id_convention"] == "sglang"
+
+
+def test_the_two_exports_differ_only_in_the_aux_ids(exports):
+    sg, vl = exports
+    assert (sg / "model.safetensors").read_bytes() == (vl / "model.safetensors").read_bytes()
+    a, b = json.loads((sg / "config.json").read_text()), json.loads((vl / "config.json").read_text())
+    a["eagle_config"].pop("eagle_aux_hidden_state_layer_ids")
+    b["eagle_config"].pop("eagle_aux_hidden_state_layer_ids")
+    assert a == b
+
+
+def test_each_engine_refuses_the_other_engines_export_naming_the_right_folder(exports):
+    sg, vl = exports
+    with pytest.raises(Eagle3Error, match=r"export/sglang instead"):
+        load_sglang_export(vl)
+    with pytest.raises(Eagle3Error, match=r"export/vllm instead"):
+        read_vllm_export(sg)
+    assert read_vllm_export(vl).convention == "vllm"
+    assert read_sglang_export(sg).convention == "sglang"
+
+
+def test_an_old_export_without_convention_reads_as_sglang(tmp_path, exports):
+    sg, _ = exports
+    old = tmp_path / "export" / "sglang"
+    old.mkdir(parents=True)
+    for f in ("config.json", "model.safetensors"):
+        (old / f).write_bytes((sg / f).read_bytes())
+    meta = json.loads((sg / "eagle3_meta.json").read_text())
+    meta.pop("aux_id_convention")
+    (old / "eagle3_meta.json").write_text(json.dumps(meta))
+    drafter, m = load_sglang_export(old)
+    assert m["aux_layer_ids"] == TRAINED
+    with pytest.raises(Eagle3Error, match="export/vllm"):
+        read_vllm_export(old)
+
+
+def test_a_vllm_export_whose_ids_were_edited_is_refused(tmp_path, exports):
+    _, vl = exports
+    bad = tmp_path / "vllm"
+    bad.mkdir()
+    (bad / "model.safetensors").write_bytes((vl / "model.safetensors").read_bytes())
+    (bad / "eagle3_meta.json").write_bytes((vl / "eagle3_meta.json").read_bytes())
+    cfg = json.loads((vl / "config.json").read_text())
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 4, 7]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(Eagle3Error, match=r"capture HF layers \[1, 4, 7\].*trained on \[2, 5, 8\]"):
+        read_vllm_export(bad)
+
+
+def test_a_full_vocabulary_drafter_is_written_for_vllm_without_d2t(tmp_path):
+    from safetensors import safe_open
+
+    arch = DrafterArch(**{**ARCH.__dict__, "draft_vocab_size": V})
+    torch.manual_seed(0)
+    m = Eagle3Drafter(arch)
+    m.set_draft_vocab(torch.zeros(V, dtype=torch.int64), torch.ones(V, dtype=torch.bool))
+    out = export_vllm(m.eval(), tmp_path / "vllm", dict(META))
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+    assert "d2t" not in keys and "t2d" not in keys and "lm_head.weight" in keys  # vLLM refuses a d2t here
+    exp = read_vllm_export(out)
+    assert torch.equal(exp.d2t, torch.zeros(V, dtype=torch.int64)) and bool(exp.t2d.all())
+    sg = export_sglang(m.eval(), tmp_path / "sglang", dict(META))
+    with safe_open(str(sg / "model.safetensors"), framework="pt") as f:
+        assert "d2t" in set(f.keys())  # the SGLang file keeps its tensors
+    perm = torch.roll(torch.arange(V), 1) - torch.arange(V)
+    m.set_draft_vocab(perm, torch.ones(V, dtype=torch.bool))
+    with pytest.raises(Eagle3Error, match="permutes"):
+        export_vllm(m.eval(), tmp_path / "vllm2", dict(META))
+
+
+def test_a_speculative_server_serving_the_sglang_export_is_refused(exports):
+    sg, vl = exports
+    exp = read_vllm_export(vl)
+    cfg = SimpleNamespace(speculative=SimpleNamespace(num_steps=3))
+    desc = {"baseline": {"url": "b", "effective": {"speculative_config": None}},
+            "speculative": {"url": "s", "effective": {"speculative_config": speculative_config(str(sg), 3),
+                                                      "server_info_available": True}}}
+    with pytest.raises(Eagle3Error, match="export/vllm instead"):
+        check_servers(desc, cfg, exp)
+    desc["speculative"]["effective"]["speculative_config"] = speculative_config(str(vl), 3)
+    assert check_servers(desc, cfg, exp) == []
+    desc["baseline"]["effective"]["speculative_config"] = speculative_config(str(vl), 3)
+    with pytest.raises(Eagle3Error, match="baseline .* speculates"):
+        check_servers(desc, cfg, exp)
+
+
+# --------------------------------------------------------------------------- launch command
+
+
+def _engine(**kw):
+    from eagle3.config import VLLMEngineConfig
+
+    e = VLLMEngineConfig(python="/venv/bin/python", port=8100, max_num_seqs=8, served_model_name="target")
+    for k, v in kw.items():
+        setattr(e, k, v)
+    return e
+
+
+def test_launch_command_has_every_flag_explicit():
+    e = _engine()
+    spec = speculative_config("/runs/d/export/vllm", 3)
+    cmd = render_vllm_command(e, python=e.python, model_path="/m/int4", dtype="bfloat16", seed=7, port=8101,
+                              device="cpu", speculative=spec)
+    assert cmd == [
+        "/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/m/int4", "--host", "127.0.0.1",
+        "--port", "8101", "--dtype", "bfloat16", "--max-model-len", "2048", "--max-num-seqs", "8",
+        "--served-model-name", "target", "--seed", "7", "--tensor-parallel-size", "1", "--speculative-config",
+        '{"method": "eagle3", "model": "/runs/d/export/vllm", "num_speculative_tokens": 3}',
+    ]
+    gpu = render_vllm_command(_engine(enforce_eager=True, max_num_batched_tokens=4096, extra_args=["--x", "1"]),
+                              python="p", model_path="m", dtype="float16", seed=0, port=1, device="cuda")
+    assert gpu[-7:] == ["--max-num-batched-tokens", "4096", "--gpu-memory-utilization", "0.9", "--enforce-eager",
+                        "--x", "1"]
+    assert "--speculative-config" not in gpu
+
+
+def test_server_environment_sets_the_cpu_kv_cache_only_on_cpu():
+    env = vllm_env(_engine(kv_cache_space_gb=3), "cpu", base={"PATH": "/bin"})
+    assert env == {"PATH": "/bin", "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "3"}
+    assert "VLLM_CPU_KVCACHE_SPACE" not in vllm_env(_engine(), "cuda", base={})
+
+
+# --------------------------------------------------------------------------- measures
+
+
+def _c(ids, lat=1.0, ttft=0.1):
+    return Completion(list(ids), ttft, lat, "stop", {"completion_tokens": len(ids)})
+
+
+def _pair(sid, base, spec, drafts=0, acc=0, per=(), turn=0):
+    return Pair("b", sid, turn, [1, 2], base, spec, SpecCounters(drafts, 3 * drafts, acc, list(per), True))
+
+
+def test_lossless_counts_prompts_and_reports_the_first_mismatch():
+    pairs = [_pair("a", _c([5, 6, 7]), _c([5, 6, 7])), _pair("b", _c([5, 6, 7]), _c([5, 9, 7])),
+             _pair("c", _c([5, 6]), _c([5, 6, 8])), _pair("a", _c([1]), _c([1]), turn=1)]
+    matches, n, first = lossless(pairs)
+    assert (matches, n) == (1, 3)
+    assert first == {"sample_id": "b", "turn": 0, "position": 1, "baseline_token": 6, "speculative_token": 9,
+                     "baseline_len": 3, "speculative_len": 3}
+
+
+def test_pair_summary_tau_and_speedup_from_hand_computed_counters():
+    # prompt a: 10 tokens in 1 s spec vs 2 s base -> ratio 2; prompt b: 10 tokens in 2 s vs 2 s -> 1
+    pairs = [_pair("a", _c(range(10), lat=2.0), _c(range(10), lat=1.0), drafts=4, acc=5, per=[3, 2, 0]),
+             _pair("b", _c(range(10), lat=2.0), _c(range(10), lat=2.0), drafts=6, acc=3, per=[2, 1, 0])]
+    s = pair_summary(pairs, depth=3, seed=0)
+    assert s["acceptance_length"] == pytest.approx(1 + 8 / 10)
+    assert s["acceptance_rate"] == pytest.approx(8 / 30)
+    assert s["per_position_acceptance"] == pytest.approx([5 / 10, 3 / 10, 0.0])
+    assert s["speedup_per_prompt"] == pytest.approx([2.0, 1.0])
+    assert s["speedup"] == pytest.approx(1.5)
+    assert s["lossless_matches"] == 2 and s["lossless_checked"] == 2
+    # 1 prefill token + drafts + accepted = 10 for a (1 + 4 + 5), not for b (1 + 6 + 3 = 10 too)
+    assert s["requests_where_counters_differ_from_tokens"] == 0
+
+
+def test_bootstrap_interval_and_the_no_speedup_wording():
+    lo, hi = bootstrap_median_ci([1.2] * 5, seed=0)
+    assert lo == pytest.approx(1.2) and hi == pytest.approx(1.2)
+    vals = [0.8, 0.9, 1.0, 1.1, 1.3, 1.2, 0.95]
+    a, b = bootstrap_median_ci(vals, seed=3), bootstrap_median_ci(vals, seed=3)
+    assert a == b and min(vals) <= a[0] <= a[1] <= max(vals)
+    assert speedup_statement(1.05, (0.9, 1.2)).startswith("no measurable speed-up")
+    assert speedup_statement(1.3, (1.1, 1.4)).startswith("speed-up x1.30")
+    assert speedup_statement(0.7, (0.6, 0.8)).startswith("slower")
+    assert bootstrap_median_ci([0.5, 0.6], seed=0) is None  # two prompts: no interval
+    assert speedup_statement(0.55, None).startswith("no measurable speed-up: x0.55 from fewer than 3")
+
+
+# --------------------------------------------------------------------------- recorded real answers
+# tests/fixtures/vllm_*: answers of vllm-cpu 0.32.0 serving the W4A16 SmolLM2-135M-Instruct on a
+# 2-core CPU machine, one /v1/completions request (vllm_request.json) to a baseline and to a
+# speculative server (EAGLE-3, 3 speculative tokens), /metrics read just before and after the
+# speculative request; absolute paths made relative to the repository root, server_info trimmed
+# to the fields read.
+
+
+def _counter_lines(text: str, name: str) -> list[float]:
+    """The values of ``name``'s samples, read line by line without the parser under test."""
+    return [float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith(name + "{") or ln.startswith(name + " ")]
+
+
+def test_recorded_metrics_delta_is_the_requests_own_counters():
+    before, after = (FIX / "vllm_metrics_before.txt").read_text(), (FIX / "vllm_metrics_after.txt").read_text()
+    answer = json.loads((FIX / "vllm_completion_spec.json").read_text())
+    d = spec_counters(after) - spec_counters(before)
+    for attr, name in (("drafts", "vllm:spec_decode_num_drafts_total"),
+                       ("draft_tokens", "vllm:spec_decode_num_draft_tokens_total"),
+                       ("accepted", "vllm:spec_decode_num_accepted_tokens_total")):
+        assert getattr(d, attr) == sum(_counter_lines(after, name)) - sum(_counter_lines(before, name))
+    assert d.present and d.drafts > 0
+    assert d.draft_tokens == 3 * d.drafts  # 3 speculative tokens per verify pass
+    assert sum(d.per_position) == d.accepted and len(d.per_position) == 3
+    # the answer stopped on its own: 1 token from the prefill, then 1 + accepted per verify pass
+    assert answer["choices"][0]["finish_reason"] == "stop"
+    assert answer["usage"]["completion_tokens"] == 1 + d.drafts + d.accepted
+    assert d.tau == pytest.approx(1 + d.accepted / d.drafts)
+    assert d.per_position_acceptance(3) == pytest.approx([v / d.drafts for v in d.per_position])
+
+
+def test_recorded_baseline_metrics_carry_no_spec_counters_but_the_cache_config():
+    text = (FIX / "vllm_metrics_baseline.txt").read_text()
+    assert not spec_counters(text).present
+    labels = info_labels(text)
+    assert labels["block_size"] == "128" and labels["enable_prefix_caching"] == "True"
+
+
+def test_prometheus_parser_on_escaped_labels_and_special_values():
+    text = '# HELP x y\nm_total{a="q\\"x",position="1"} 2.0\nm_total{position="0"} NaN\nbad line\nn 3e2 1700\n'
+    assert parse_prometheus(text)[0] == ("m_total", {"a": 'q"x', "position": "1"}, 2.0)
+    assert parse_prometheus(text)[2] == ("n", {}, 300.0)
+    assert len(parse_prometheus(text)) == 3
+
+
+class _Replay(BaseHTTPRequestHandler):
+    """Answers with the recorded files: GET /v1/models, /metrics, /server_info, /health; POST /v1/completions."""
+
+    routes = {
+        "/v1/models": ("application/json", lambda: json.dumps({"object": "list", "data": json.loads(
+            (FIX / "vllm_models.json").read_text())["data"]})),
+        "/metrics": ("text/plain", lambda: (FIX / "vllm_metrics_after.txt").read_text()),
+        "/server_info?config_format=json": ("application/json", lambda: (FIX / "vllm_server_info_spec.json").read_text()),
+        "/health": ("text/plain", lambda: ""),
+    }
+
+    def log_message(self, *a):  # quiet
+        pass
+
+    def _send(self, ctype: str, body: str, code: int = 200):
+        data = body.encode()
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        if self.path in self.routes:
+            ctype, fn = self.routes[self.path]
+            return self._send(ctype, fn())
+        self._send("application/json", '{"detail":"Not Found"}', 404)
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert body["return_token_ids"] is True
+        self._send("application/json", (FIX / "vllm_completion_spec.json").read_text())
+
+
+@pytest.fixture()
+def replay():
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Replay)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_effective_settings_read_back_from_recorded_answers(replay):
+    eff = effective_settings(VLLMClient(replay))
+    assert eff["max_model_len"] == 2048 and eff["served_model_names"] == ["target"]
+    assert eff["max_num_seqs"] == 8 and eff["max_num_seqs_source"] == "server_info"
+    assert eff["speculative_config"]["method"] == "eagle3"
+    assert eff["speculative_config"]["num_speculative_tokens"] == 3
+    assert eff["cache_config"]["block_size"] == "128"
+
+
+def test_client_reads_the_recorded_completion(replay):
+    want = json.loads((FIX / "vllm_completion_spec.json").read_text())
+    res = VLLMClient(replay).complete(json.loads((FIX / "vllm_request.json").read_text()), stream=False)
+    assert res.output_ids == want["choices"][0]["token_ids"]
+    assert res.completion_tokens == want["usage"]["completion_tokens"] == len(res.output_ids)
+    base = json.loads((FIX / "vllm_completion_base.json").read_text())
+    assert base["choices"][0]["token_ids"] == res.output_ids  # greedy speculation was lossless on this prompt
+
+
+def test_an_unreachable_server_is_one_clear_error():
+    from eagle3.engines.vllm import VLLMUnavailable
+
+    with pytest.raises(VLLMUnavailable, match="failed GET /v1/models 2 times"):
+        VLLMClient("http://127.0.0.1:9", max_retries=1, backoff_s=0.01).models()
+
+
+def test_max_num_seqs_from_a_recorded_launch_log_line(tmp_path):
+    log = tmp_path / "vllm.log"
+    log.write_text((FIX / "vllm_launch_log.txt").read_text())
+    assert max_num_seqs_from_log(log) == 8
+    (tmp_path / "empty.log").write_text("nothing\n")
+    assert max_num_seqs_from_log(tmp_path / "empty.log") is None
