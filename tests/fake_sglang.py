@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Optional
 
@@ -82,6 +83,65 @@ def spec_passes(n_tokens: int, pattern: list[int]) -> list[int]:
         emitted += acc + 1
         p += 1
     return passes
+
+
+def _logprob_of(prev: int, tok: int, vocab: int) -> float:
+    """Log-prob of ``tok`` after ``prev`` under :func:`topk_after` (its top 8, else a floor)."""
+    for lp, t in topk_after(prev, 8, vocab):
+        if t == tok:
+            return lp
+    return math.log(0.5 ** 9)
+
+
+def _stream_meta(meta: dict, emitted: int, first: bool) -> dict:
+    """``meta_info`` of a streamed chunk before the last: the real server's keys
+    (``tests/fixtures/sglang_stream_speculative.json`` records only the last chunk; the
+    earlier ones carry the request's counters so far and no speculative counters)."""
+    m = {k: meta[k] for k in ("id", "prompt_tokens", "weight_version", "num_retractions") if k in meta}
+    m.update(finish_reason=None, reasoning_tokens=0, completion_tokens=emitted, cached_tokens=meta.get("cached_tokens", 0),
+             cached_tokens_details=None, dp_rank=None)
+    if first:
+        m["response_sent_to_client_ts"] = time.time()
+    return m
+
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+
+def load_fixture(name: str) -> dict:
+    """``tests/fixtures/sglang_<name>.json``: ``{"note", "request", "answer"}``, recorded
+    from a real server by ``tests/test_sglang_live.py``."""
+    return json.loads((FIXTURES / f"sglang_{name}.json").read_text())
+
+
+def recorded_server_info(speculative: bool) -> dict:
+    """A deep copy of the recorded ``/server_info`` of a real EAGLE3 or plain server."""
+    return json.loads(json.dumps(load_fixture("server_info_speculative" if speculative else "server_info_baseline")["answer"]))
+
+
+def truncate_meta(meta: dict, rows: int = 2) -> dict:
+    """``meta_info`` with the prefill block's hidden rows, the decode rows and every
+    log-prob list cut to ``rows`` entries (how the fixtures are stored)."""
+    m = dict(meta)
+    hs = m.get("hidden_states")
+    if isinstance(hs, list) and hs:
+        block = hs[0] if isinstance(hs[0], list) and hs[0] and isinstance(hs[0][0], list) else None
+        m["hidden_states"] = [block[:rows]] + hs[1:1 + rows] if block is not None else hs[:rows]
+    for key in ("input_top_logprobs", "input_token_logprobs", "output_top_logprobs", "output_token_logprobs"):
+        if isinstance(m.get(key), list):
+            m[key] = m[key][:rows]
+    return m
+
+
+def signature(x: Any) -> Any:
+    """The shape of a JSON value: dict -> {key: signature}; list -> ``["list", sorted
+    distinct element signatures]``; a leaf -> its type name (int and float apart)."""
+    if isinstance(x, dict):
+        return {k: signature(v) for k, v in x.items()}
+    if isinstance(x, list):
+        sigs = {json.dumps(signature(v), sort_keys=True) for v in x}
+        return ["list", [json.loads(v) for v in sorted(sigs)]]
+    return type(x).__name__
 
 
 # ----------------------------------------------------------------------- the server
@@ -221,9 +281,14 @@ class FakeSGLang:
         return self._json(h, 404, {"detail": "Not Found"})
 
     def server_info(self) -> dict:
+        """The recorded ``/server_info`` of a real server in the same mode (EAGLE3 or
+        plain; ``tests/fixtures/sglang_server_info_*.json``) with this fake's deployment
+        written over it, so keys and types are the real server's."""
         c = self.cfg
-        info = {
+        info = recorded_server_info(c.speculative)
+        info.update({
             "model_path": c.model_path,
+            "tokenizer_path": c.model_path,
             "tp_size": 1,
             "dp_size": 1,
             "dtype": "bfloat16",
@@ -239,18 +304,24 @@ class FakeSGLang:
             "speculative_num_draft_tokens": c.num_draft_tokens if c.speculative else None,
             "max_total_num_tokens": 100000,
             "version": c.version,
-        }
-        state = {"effective_max_running_requests_per_dp": c.effective_max_running_requests or c.max_running_requests}
+            "device": "cuda",
+        })
+        state = dict(info["internal_states"][0])
+        state.update({k: v for k, v in info.items() if k in state and k != "internal_states"})
+        state["effective_max_running_requests_per_dp"] = c.effective_max_running_requests or c.max_running_requests
         if c.avg_spec_accept_length is not None:
             state["avg_spec_accept_length"] = c.avg_spec_accept_length
         info["internal_states"] = [state]
-        if c.old_api:
-            info["cuda_graph_max_bs"] = c.cuda_graph_max_bs
-        else:
-            info["cuda_graph_config"] = {"decode": {"backend": "full", "max_bs": c.cuda_graph_max_bs}, "prefill": {}}
-            info["cuda_graph_max_bs_decode"] = c.cuda_graph_max_bs
-            if c.launch_command is not None:
-                info["launch_command"] = c.launch_command
+        cg = dict(info["cuda_graph_config"])
+        cg["decode"] = dict(cg["decode"], max_bs=c.cuda_graph_max_bs, bs=[b for b in (1, 2, 4, 8) if b <= c.cuda_graph_max_bs])
+        info["cuda_graph_config"] = state["cuda_graph_config"] = cg
+        if c.old_api:  # 0.5.14 and older: a flat cuda_graph_max_bs, no launch_command
+            for d in (info, state):
+                d.pop("cuda_graph_config", None)
+                d.pop("launch_command", None)
+                d["cuda_graph_max_bs"] = c.cuda_graph_max_bs
+        elif c.launch_command is not None:
+            info["launch_command"] = c.launch_command
         return info
 
     # -------------------------------------------------------------- /generate
@@ -299,25 +370,29 @@ class FakeSGLang:
                         m += 1
                     cached = max(cached, m)
                 self.seen.append(list(ids))
-        meta: dict[str, Any] = {
+        meta: dict[str, Any] = {  # the keys and order of a real answer (tests/fixtures/sglang_generate_*.json)
             "id": f"req-{self.n_generate}",
             "finish_reason": ({"type": "stop", "matched": c.eos_token_id} if stopped
                               else {"type": "length", "length": len(out_ids)}),
             "prompt_tokens": len(ids),
-            "completion_tokens": len(out_ids),
-            "cached_tokens": cached,
             "weight_version": "default",
+            "num_retractions": 0,
         }
         if body.get("return_logprob"):
-            start = int(body.get("logprob_start_len", -1))
-            if start >= 0 and k > 0:
-                rows: list[Any] = []
-                for i in range(start, len(ids)):
-                    rows.append(None if i == 0 else [[lp, t, None] for lp, t in topk_after(ids[i - 1], k, c.vocab_size)])
-                meta["input_top_logprobs"] = rows
+            start = max(0, int(body.get("logprob_start_len", -1)))
+            prev = [ids[-1]] + out_ids[:-1]
+            meta["input_token_logprobs"] = [
+                [None if i == 0 else _logprob_of(ids[i - 1], ids[i], c.vocab_size), ids[i], None]
+                for i in range(start, len(ids))]
+            meta["output_token_logprobs"] = [[_logprob_of(p, t, c.vocab_size), t, None] for p, t in zip(prev, out_ids)]
+            meta["output_token_logprobs_length"] = len(out_ids)
             if k > 0:
-                prev = [ids[-1]] + out_ids[:-1]
+                meta["input_top_logprobs"] = [
+                    None if i == 0 else [[lp, t, None] for lp, t in topk_after(ids[i - 1], k, c.vocab_size)]
+                    for i in range(start, len(ids))]
                 meta["output_top_logprobs"] = [[[lp, t, None] for lp, t in topk_after(p, k, c.vocab_size)] for p in prev]
+        meta.update(reasoning_tokens=0, completion_tokens=len(out_ids), cached_tokens=cached,
+                    cached_tokens_details={"device": cached, "host": 0} if cached else None)
         if body.get("return_hidden_states") and c.enable_return_hidden_states:
             H = c.hidden_size
             width = c.hidden_width if c.hidden_width is not None else (3 * H if c.speculative else H)
@@ -325,27 +400,38 @@ class FakeSGLang:
             if c.chunked_prefill_size > 0 and len(ids) - cached > c.chunked_prefill_size:
                 rem = (len(ids) - cached) % c.chunked_prefill_size
                 first = len(ids) - (rem or c.chunked_prefill_size)
-            rows_h = []
-            for pos in range(first, len(ids)):
-                tok = ids[pos]
-                row = [aux_value(tok, pos, j, ch) for j in range(3) for ch in range(H)]
-                rows_h.append((row + [0.0] * width)[:width])
-            meta["hidden_states"] = [rows_h]
-        spec = c.speculative and not c.missing_spec_verify_ct and len(out_ids) > 0
-        passes = spec_passes(len(out_ids), c.accept_pattern) if c.speculative else [0] * len(out_ids)
+            seq = ids + out_ids
+
+            def row(pos: int) -> list[float]:
+                r = [aux_value(seq[pos], pos, j, ch) for j in range(3) for ch in range(H)]
+                return (r + [0.0] * width)[:width]
+
+            # the prefill block, then one row per decoded token but the last (whose
+            # forward pass never runs), as a real server answers
+            meta["hidden_states"] = [[row(pos) for pos in range(first, len(ids))]] + [
+                row(pos) for pos in range(len(ids), len(seq) - 1)]
+        meta.update(dp_rank=None, e2e_latency=0.0)
+        # the first token comes from the prefill, the others from verify passes (a real
+        # server reports no spec_* counters for a one-token answer)
+        spec = c.speculative and not c.missing_spec_verify_ct and len(out_ids) > 1
+        passes = spec_passes(len(out_ids) - 1, c.accept_pattern) if c.speculative else [0] * max(0, len(out_ids) - 1)
         if spec:
             hist = [0] * (max(passes) + 1)
             for a in passes:
                 hist[a] += 1
             proposed = len(passes) * (c.num_draft_tokens - 1)
             meta.update(
-                spec_verify_ct=len(passes),
+                spec_accept_rate=sum(passes) / proposed if proposed else 0.0,
                 spec_accept_length=len(out_ids) / len(passes),
-                spec_accept_rate=sum(passes) / proposed,
                 spec_num_correct_drafts=sum(passes),
                 spec_num_proposed_drafts=proposed,
+                spec_verify_ct=len(passes),
+                spec_accepted_drafts=sum(passes),
+                spec_proposed_drafts=proposed,
                 spec_correct_drafts_histogram=hist,
+                spec_accept_histogram=list(hist),
             )
+        meta["response_sent_to_client_ts"] = time.time()
         text = " ".join(f"t{t}" for t in out_ids)
         if body.get("stream"):
             with self.lock:
@@ -374,8 +460,9 @@ class FakeSGLang:
             self.running -= 1
 
     def _stream(self, h, out_ids: list[int], passes: list[int], meta: dict) -> None:
-        """Server-sent events: one chunk per verify pass (per token without spec),
-        cumulative ``text``/``output_ids``, the full ``meta_info`` on the last chunk."""
+        """Server-sent events: a chunk for the prefill's token, then one per verify pass
+        (per token without spec), cumulative ``text``/``output_ids``, the full
+        ``meta_info`` on the last chunk (the real server's shapes)."""
         c = self.cfg
         h.send_response(200)
         h.send_header("Content-Type", "text/event-stream")
@@ -387,12 +474,15 @@ class FakeSGLang:
             try:
                 time.sleep(c.prefill_s)
                 emitted = 0
-                for p, acc in enumerate(passes):
+                emits = ([1] if out_ids else []) + [acc + 1 for acc in passes]  # the prefill's token, then the passes
+                for p, n in enumerate(emits):
                     if p:
                         time.sleep(c.step_s)
-                    emitted += acc + 1
-                    last = p == len(passes) - 1
-                    m = dict(meta) if last else {"id": meta["id"], "completion_tokens": emitted, "finish_reason": None}
+                    emitted += n
+                    last = p == len(emits) - 1
+                    m = _stream_meta(meta, emitted, first=p == 0)
+                    if last:  # the full meta_info, without the first chunk's timestamp
+                        m = {k: v for k, v in meta.items() if k != "response_sent_to_client_ts" or p == 0}
                     chunk = {"text": " ".join(f"t{t}" for t in out_ids[:emitted]), "output_ids": out_ids[:emitted], "meta_info": m}
                     h.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
                     h.wfile.flush()
@@ -409,7 +499,8 @@ FLAGS = [
     "--language-only", "--host", "--port", "--max-running-requests", "--cuda-graph-max-bs-decode",
     "--chunked-prefill-size", "--speculative-algorithm", "--speculative-draft-model-path",
     "--speculative-num-steps", "--speculative-eagle-topk", "--speculative-num-draft-tokens",
-    "--enable-return-hidden-states", "--disable-radix-cache",
+    "--enable-return-hidden-states", "--disable-radix-cache", "--device", "--disable-overlap-schedule",
+    "--max-total-tokens",
 ]
 
 
@@ -439,6 +530,9 @@ def main(argv: list[str] | None = None) -> None:
               "--context-length", "--mem-fraction-static"):
         p.add_argument(f, default=None)
     p.add_argument("--language-only", action="store_true")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--disable-overlap-schedule", action="store_true")
+    p.add_argument("--max-total-tokens", type=int, default=None)
     args = p.parse_args(argv)
     print(f"[fake] server_args: {vars(args)}", flush=True)
     code = os.environ.get("FAKE_SGLANG_EXIT")

@@ -332,7 +332,7 @@ def test_launch_writes_bootstrap_waits_and_captures(fake_sglang_package, monkeyp
     tmp = fake_sglang_package
     monkeypatch.setenv("FAKE_SGLANG_STARTUP_S", "0.6")
     port = sg.free_port()
-    cfg = engine_cfg(python=sys.executable, port=port, launch_timeout_s=60)
+    cfg = engine_cfg(python=sys.executable, port=port, launch_timeout_s=60, device="cuda")
     eng = sg.SGLangEngine.from_config(model_cfg(), cfg, tmp / "cache", tmp / "run")
     try:
         info = eng.info()
@@ -541,3 +541,31 @@ def test_extract_kimi_against_the_loopback_server(tmp_path):
         want = torch.tensor([[tid for _, tid in topk_after(seq[t], 4, vocab)] for t in range(T)], dtype=torch.int32)
         assert torch.equal(rec["topk_ids"], want)
         assert 0 < int(rec["loss_mask"].sum()) < T
+
+
+def test_cpu_command_has_the_flags_the_cpu_build_runs_with():
+    m = model_cfg()
+    e = engine_cfg(device="cpu", max_running_requests=None)
+    cmd = sg.render_launch_command(m, e, model_path="m", port=30100, device=sg.server_device(e),
+                                   speculative={"draft_model_path": "d", "num_steps": 3, "topk": 1, "num_draft_tokens": 4})
+    line = shlex.join(cmd)
+    assert "--device cpu --disable-overlap-schedule --max-total-tokens 8192 --mem-fraction-static 0.5" in line
+    assert "--max-running-requests" not in line and "--cuda-graph" not in line  # the server then caps itself at 48
+    assert sg.unknown_flags(cmd, set(sg.VERIFIED_FLAGS)) == []
+    e2 = engine_cfg(device="cuda", max_total_tokens=4096)
+    line2 = shlex.join(sg.render_launch_command(m, e2, model_path="m", port=1, device=sg.server_device(e2)))
+    assert "--device" not in line2 and "--max-total-tokens 4096" in line2 and "--max-running-requests 128" in line2
+    with pytest.raises(Eagle3Error, match="engine.device=tpu"):
+        sg.server_device(engine_cfg(device="tpu"))
+
+
+def test_server_env_sources_the_script_then_applies_engine_env(tmp_path, monkeypatch):
+    script = tmp_path / "env.sh"
+    script.write_text('_v=${1:?usage}\nexport FROM_SCRIPT="$_v"\nexport OVERRIDDEN=script\n')
+    monkeypatch.setenv("FROM_PARENT", "kept")
+    env = sg.server_env(engine_cfg(env_script=f"{script} venv-a", env={"OVERRIDDEN": "engine", "NUM": 3}))
+    assert env["FROM_SCRIPT"] == "venv-a" and env["OVERRIDDEN"] == "engine" and env["NUM"] == "3"
+    assert env["FROM_PARENT"] == "kept"
+    assert sg.server_env(engine_cfg()) is None
+    with pytest.raises(Eagle3Error, match="engine.env_script"):
+        sg.server_env(engine_cfg(env_script=str(script)))  # ${1:?usage} fails without its argument

@@ -68,15 +68,18 @@ def make_cfg(tokenizer_dir, base_url, spec_url, concurrency=(1, 4), **engine_kw)
 
 
 def test_sweep_reports_tau_throughput_and_plot(tokenizer_dir, servers, tmp_path):
-    base = servers(speculative=False, step_s=0.01, prefill_s=0.002)
-    spec = servers(speculative=True, accept_pattern=PATTERN, step_s=0.01, prefill_s=0.002)
+    # steps long enough that a loaded machine's scheduling noise cannot hide the 2x fewer passes
+    base = servers(speculative=False, step_s=0.04, prefill_s=0.002)
+    spec = servers(speculative=True, accept_pattern=PATTERN, step_s=0.04, prefill_s=0.002)
     cfg = make_cfg(tokenizer_dir, base.url, spec.url)
     res = se.run_sglang_evaluation(cfg, benchmarks(), {"aux_layer_ids": [2, 4, 5]}, tmp_path)
 
     assert res["engine"] == "sglang" and res["warnings"] == []
-    # 6 single-turn + 3 two-turn prompts, twice (c=1, c=4), plus one warm-up conversation
+    # one warm-up conversation, then 6 single-turn + 3 two-turn prompts three times: the
+    # interleaved batch-1 pairs, then the sweep at c=1 and c=4
     measured = [b for b in spec.requests if b.get("stream")]
-    assert len(measured) == 2 * (6 + 3 * 2) + 1
+    assert len(measured) == 1 + 3 * (6 + 3 * 2)
+    assert len([b for b in base.requests if b.get("stream")]) == 1 + 3 * (6 + 3 * 2)
     # mt-bench: the second turn carries the first (prompt + answer) in front of it
     firsts = {tuple(b["input_ids"]) for b in measured}
     seconds = [b["input_ids"] for b in measured if any(tuple(b["input_ids"][:len(f)]) == f and len(f) < len(b["input_ids"]) for f in firsts)]
@@ -87,18 +90,31 @@ def test_sweep_reports_tau_throughput_and_plot(tokenizer_dir, servers, tmp_path)
         for key in ("acceptance_length", "acceptance_rate", "verify_passes", "generated_tokens", "per_position_acceptance",
                     "tokens_per_s_spec", "tokens_per_s_base", "speedup", "lossless_matches", "diversity", "concurrency"):
             assert key in r, key
-        assert r["lossless_matches"] is None and r["requests"] == turns
+        # both fakes answer the same greedy ids: every prompt is lossless
+        assert r["lossless_matches"] == r["lossless_checked"] == r["num_prompts"] and r["requests"] == turns
         assert len(r["per_position_acceptance"]) == 3 and len(r["accept_histogram"]) == 4
         assert [row["concurrency"] for row in r["concurrency"]] == [1, 4]
         assert r["speedup"] == pytest.approx(r["tokens_per_s_spec"] / r["tokens_per_s_base"])
+        # the speculative fake needs fewer steps for every prompt: the interval lies above 1
+        lo, hi = r["speedup_interval"]
+        assert 1.0 < lo <= r["speedup"] <= hi and r["speedup_significant"] is True
+        assert r["measured_at_concurrency"] == 1
 
-    # independent tau over all measured speculative requests at concurrency 1 (first half, after warm-up)
-    at_c1 = measured[1:1 + 12]
+    # the headline (interleaved pairs, right after the warm-up) and the sweep's c=1 row see
+    # the same deterministic counters; recomputed independently from the fake's rules
+    gsm_pairs = measured[1:1 + 6]
+    toks = passes = 0
+    for b in gsm_pairs:
+        n = min(response_length(b["input_ids"]), 16)
+        toks += n
+        passes += len(spec_passes(n - 1, PATTERN))  # the first token comes from the prefill
+    assert res["benchmarks"]["gsm8k"]["acceptance_length"] == pytest.approx(toks / passes)
+    at_c1 = measured[1 + 12:1 + 24]
     toks = passes = 0
     hist = [0, 0, 0, 0]
     for b in at_c1:
         n = min(response_length(b["input_ids"]), 16)
-        ps = spec_passes(n, PATTERN)
+        ps = spec_passes(n - 1, PATTERN)
         toks += n
         passes += len(ps)
         for a in ps:
@@ -116,8 +132,9 @@ def test_sweep_reports_tau_throughput_and_plot(tokenizer_dir, servers, tmp_path)
     assert res["concurrency"][0]["speedup"] > 1.2
     png = tmp_path / PLOT_NAME
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    lines = (tmp_path / REQUESTS_NAME).read_text().splitlines()
-    assert len(lines) == 2 * 2 * 12
+    lines = [json.loads(x) for x in (tmp_path / REQUESTS_NAME).read_text().splitlines()]
+    assert len(lines) == 2 * 2 * 12 + 2 * 12
+    assert sum(x["phase"] == "interleaved" for x in lines) == 2 * 12
     assert res["servers"]["speculative"]["effective"]["speculative_algorithm"] == "EAGLE3"
 
 
@@ -219,9 +236,10 @@ def test_evaluate_stage_end_to_end_writes_the_hf_report_files(tokenizer_dir, ser
     assert "Throughput versus concurrency" in (out / "report.md").read_text()
 
 
-def test_servers_are_launched_in_turn_when_no_urls(tokenizer_dir, tmp_path, monkeypatch):
-    """No URLs: the baseline, then the speculative server (with the drafter export and
-    the configured 3/1/4) are launched through ``sglang.launch_server`` on the same port."""
+def test_servers_are_launched_when_no_urls(tokenizer_dir, tmp_path, monkeypatch):
+    """No URLs: the baseline (on engine.port) and the speculative server (on port + 1,
+    with the drafter export and the configured 3/1/4) are launched through
+    ``sglang.launch_server``, here as CPU servers (the flags the CPU build runs with)."""
     from fake_sglang import write_launch_shim
 
     monkeypatch.setenv("PYTHONPATH", write_launch_shim(tmp_path / "shim"))
@@ -235,14 +253,19 @@ def test_servers_are_launched_in_turn_when_no_urls(tokenizer_dir, tmp_path, monk
     cfg.engine.python = sys.executable
     cfg.engine.port = free_port()
     cfg.engine.health_poll_s = 0.1
+    cfg.engine.device = "cpu"
     cfg.drafter_dir = str(export)
     res = se.run_sglang_evaluation(cfg, {"gsm8k": benchmarks()["gsm8k"]}, {"aux_layer_ids": [2, 4, 5]}, tmp_path / "out")
     base_cmd = (tmp_path / "out" / "sglang-baseline.cmd").read_text()
     spec_cmd = (tmp_path / "out" / "sglang-speculative.cmd").read_text()
     assert "--speculative-algorithm" not in base_cmd and "--max-running-requests 128" in base_cmd
+    assert f"--port {cfg.engine.port} " in base_cmd and f"--port {cfg.engine.port + 1} " in spec_cmd
     assert f"--speculative-draft-model-path {export.resolve()}" in spec_cmd
     assert "--speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4" in spec_cmd
-    assert "--cuda-graph-max-bs-decode 128" in spec_cmd  # the spelling the server's --help lists
+    for cmd in (base_cmd, spec_cmd):
+        assert "--device cpu --disable-overlap-schedule --max-total-tokens 8192 --mem-fraction-static 0.5" in cmd
+        assert "--cuda-graph" not in cmd
+    assert res["benchmarks"]["gsm8k"]["lossless_matches"] == 6
     assert res["benchmarks"]["gsm8k"]["acceptance_length"] > 1
     assert res["servers"]["speculative"]["effective"]["max_running_requests"] == 128
 
@@ -320,3 +343,81 @@ def test_served_drafter_with_a_damaged_config_is_one_sentence(tokenizer_dir, ser
         se.run_sglang_evaluation(make_cfg(tokenizer_dir, base.url, spec.url), benchmarks(), {"aux_layer_ids": [2, 4, 5]},
                                  tmp_path)
     assert str(e.value).startswith(f"{draft}/config.json is not valid JSON (") and "\n" not in str(e.value)
+
+
+def _rec(sample_id: str, tokens: int, seconds: float, ids=None, turn: int = 0) -> RequestRecord:
+    return RequestRecord(benchmark="b", sample_id=sample_id, turn=turn, prompt_tokens=5, completion_tokens=tokens,
+                         ttft_s=seconds / 10, latency_s=seconds, output_ids=list(ids if ids is not None else range(tokens)))
+
+
+def test_paired_speedup_and_its_bootstrap_interval_by_hand():
+    from eagle3.evaluate.served_measures import paired_speedup
+
+    # every prompt runs exactly twice as fast with speculation: every resample gives 2
+    pairs = [([_rec("a", 10, 1.0)], [_rec("a", 10, 0.5)]), ([_rec("b", 20, 4.0)], [_rec("b", 20, 2.0)])]
+    r = paired_speedup(pairs, resamples=500, seed=3)
+    assert r["tokens_per_s_base"] == pytest.approx(30 / 5.0) and r["tokens_per_s_spec"] == pytest.approx(30 / 2.5)
+    assert r["speedup"] == pytest.approx(2.0) and r["interval"] == pytest.approx([2.0, 2.0]) and r["significant"]
+    # one prompt twice as slow, one twice as fast: pooled 1.0; resamples of one prompt only give 0.5 or 2
+    pairs = [([_rec("a", 10, 1.0)], [_rec("a", 10, 2.0)]), ([_rec("b", 10, 2.0)], [_rec("b", 10, 1.0)])]
+    r = paired_speedup(pairs, resamples=4000, seed=0)
+    assert r["speedup"] == pytest.approx(1.0)
+    assert r["interval"] == pytest.approx([0.5, 2.0]) and r["significant"] is False
+    # one prompt: a ratio, no interval
+    r = paired_speedup(pairs[:1])
+    assert r["speedup"] == pytest.approx(0.5) and r["interval"] is None and r["significant"] is None
+
+
+def test_lossless_check_names_the_first_differing_position():
+    from eagle3.evaluate.served_measures import lossless_check
+
+    same = ([_rec("a", 3, 1.0, [5, 6, 7])], [_rec("a", 3, 1.0, [5, 6, 7])])
+    differs = ([_rec("b", 3, 1.0, [5, 6, 7]), _rec("b", 2, 1.0, [1, 2], turn=1)],
+               [_rec("b", 3, 1.0, [5, 6, 7]), _rec("b", 2, 1.0, [1, 9], turn=1)])
+    prefix = ([_rec("c", 3, 1.0, [5, 6, 7])], [_rec("c", 2, 1.0, [5, 6])])
+    r = lossless_check([same, differs, prefix])
+    assert r["matches"] == 1 and r["checked"] == 3
+    assert [(m["sample_id"], m["turn"], m["first_diff"]) for m in r["mismatches"]] == [("b", 1, 1), ("c", 0, 2)]
+
+
+def test_interleaving_alternates_which_server_goes_first(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    from eagle3.engines.sglang import StreamResult
+    from eagle3.evaluate.served_sweeps import interleave_batch1
+
+    order = []
+
+    class Client:
+        def __init__(self, role):
+            self.role = role
+
+        def generate_stream(self, body):
+            order.append(self.role)
+            return StreamResult(0.01, 0.1, [7, 2], {"completion_tokens": 2})
+
+        def flush_cache(self):
+            return True
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    rows = {"x": [{"id": f"p{i}", "messages": [{"role": "user", "content": "w9"}]} for i in range(3)],
+            "y": [{"id": "q", "messages": [{"role": "user", "content": "w8"}]}]}
+    out = interleave_batch1({"baseline": Client("baseline"), "speculative": Client("speculative")}, tok, rows,
+                            {"max_new_tokens": 4}, warmup=1)
+    assert order[:2] == ["baseline", "speculative"]  # one warm-up each
+    b, s = "baseline", "speculative"
+    assert order[2:] == [b, s, s, b, b, s, s, b]
+    assert [len(v) for v in out.values()] == [3, 1] and out["y"][0][0][0].sample_id == "q"
+
+
+def test_servers_measured_in_turn_still_give_lossless_and_a_paired_speedup(tokenizer_dir, servers, tmp_path):
+    """launch_together=false (launching on GPUs the two servers share): no interleaved
+    phase; the pairs are the two servers' concurrency-1 runs."""
+    base = servers(speculative=False, step_s=0.01)
+    spec = servers(speculative=True, accept_pattern=PATTERN, step_s=0.01)
+    cfg = make_cfg(tokenizer_dir, base.url, spec.url, concurrency=(1, 2), launch_together=False)
+    res = se.run_sglang_evaluation(cfg, {"gsm8k": benchmarks()["gsm8k"]}, {}, tmp_path)
+    assert len([b for b in spec.requests if b.get("stream")]) == 1 + 2 * 6  # warm-up, c=1, c=2: no pairs phase
+    r = res["benchmarks"]["gsm8k"]
+    assert r["lossless_matches"] == 6 and r["measured"].startswith("batch 1, the baseline's run")
+    assert r["speedup"] == pytest.approx(r["tokens_per_s_spec"] / r["tokens_per_s_base"]) and r["speedup_interval"]

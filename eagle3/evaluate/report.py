@@ -105,6 +105,17 @@ def _lossless(b: dict) -> str:
     return out + (f" +{b['lossless_near_ties']} ties" if b.get("lossless_near_ties") else "")
 
 
+def _speedup(b: dict) -> str:
+    """``1.23 [1.05, 1.41]``: the speed-up and, from a served run's interleaved batch-1
+    pairs, its bootstrap interval; ``~`` marks a ratio whose interval contains 1.0 (no
+    speed-up or slow-down can be claimed)."""
+    iv = b.get("speedup_interval")
+    if b.get("speedup") is None or not iv:
+        return _f(b.get("speedup"))
+    mark = "~" if iv[0] <= 1.0 <= iv[1] else ""
+    return f"{mark}{b['speedup']:.2f} [{iv[0]:.2f}, {iv[1]:.2f}]"
+
+
 def tau_table(results: dict) -> str:
     """The console table: one row per benchmark."""
     head = ["benchmark", "prompts", "tau", "accept", "tok/s spec", "tok/s base", "speed-up", "lossless", "verdict"]
@@ -113,7 +124,7 @@ def tau_table(results: dict) -> str:
         lossless = _lossless(b)
         rows.append([
             name, _f(b.get("num_prompts")), _f(b.get("acceptance_length")), _f(b.get("acceptance_rate")),
-            _f(b.get("tokens_per_s_spec"), 1), _f(b.get("tokens_per_s_base"), 1), _f(b.get("speedup")),
+            _f(b.get("tokens_per_s_spec"), 1), _f(b.get("tokens_per_s_base"), 1), _speedup(b),
             lossless, b.get("verdict", "-"),
         ])
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
@@ -152,7 +163,7 @@ def render_markdown(results: dict, plots: dict[str, str]) -> str:
         rows.append([
             name, _f(b.get("num_prompts")), _f(b.get("acceptance_length")), _f(b.get("acceptance_rate")),
             _f(b.get("verify_passes")), _f(b.get("generated_tokens")), _f(b.get("tokens_per_s_spec"), 1),
-            _f(b.get("tokens_per_s_base"), 1), _f(b.get("speedup")), _f(b.get("decode_speedup")), lossless,
+            _f(b.get("tokens_per_s_base"), 1), _speedup(b), _f(b.get("decode_speedup")), lossless,
             b.get("verdict", "-"),
         ])
     out.append(_md_table(
@@ -161,6 +172,11 @@ def render_markdown(results: dict, plots: dict[str, str]) -> str:
     out.append("tok/s and speed-up: generated tokens over wall time including the prefill, batch 1; "
                "decode speed-up leaves the prefill out. lossless: prompts whose speculative tokens equal the "
                "target's own greedy tokens (+ prompts that first differ at a rounding tie of the top two logits).\n")
+    if any(b.get("speedup_interval") for b in benches.values()):
+        out.append("Served runs: tok/s, speed-up and lossless come from batch-1 requests sent to both servers prompt "
+                   "by prompt (baseline and speculative interleaved); [lo, hi] is the bootstrap 95% interval of the "
+                   "speed-up over prompts, and ~ marks one that contains 1.0 (no speed-up can be claimed). lossless: "
+                   "prompts whose speculative greedy output ids equal the baseline server's.\n")
     depth = max((len(b.get("per_position_acceptance") or []) for b in benches.values()), default=0)
     if depth:
         out.append("\n## Per-position acceptance\n")

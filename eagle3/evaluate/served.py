@@ -1,13 +1,18 @@
 """Evaluation through SGLang: a baseline server and a speculative server, swept over
 request concurrency.
 
-For each server (connected through ``engine.baseline_url`` / ``engine.speculative_url``
-or launched in turn on the same GPUs; ``engine.url`` / ``engine.urls`` are refused),
-each concurrency ``c`` of ``cfg.concurrency`` and each benchmark, the benchmark's
-prompts are sent as streamed ``/generate`` requests with at most ``c`` in flight
-(multi-turn prompts such as MT-Bench send their turns in order, the second turn
-carrying the first answer). Measured as ``sglang.bench_serving`` does
-(``python/sglang/benchmark/serving.py``):
+Both servers are up at once (connected through ``engine.baseline_url`` /
+``engine.speculative_url`` or launched here on ``engine.port`` and ``engine.port + 1``;
+``engine.url`` / ``engine.urls`` are refused). First every prompt is sent to both at
+batch 1, prompt by prompt, alternating which server goes first
+(:func:`eagle3.evaluate.served_sweeps.interleave_batch1`): the headline tau, acceptance,
+tokens/s, the speed-up with a bootstrap 95% interval over prompts and, at temperature
+0, the lossless check (the speculative server's output ids equal the baseline's per
+prompt) come from these pairs. Then, for each server, each concurrency ``c`` of
+``cfg.concurrency`` and each benchmark, the benchmark's prompts are sent as streamed
+``/generate`` requests with at most ``c`` in flight (multi-turn prompts such as MT-Bench
+send their turns in order, the second turn carrying the first answer). Measured as
+``sglang.bench_serving`` does (``python/sglang/benchmark/serving.py``):
 
 * output tokens/s = sum of ``completion_tokens`` / wall time of the run;
 * TTFT = time to the first streamed chunk with output; TPOT = (latency - TTFT) /
@@ -20,7 +25,8 @@ carrying the first answer). Measured as ``sglang.bench_serving`` does
   acceptance from the summed ``spec_correct_drafts_histogram`` (definitions of
   :mod:`eagle3.evaluate.metrics`, shared with the hf engine, as is the output diversity);
 * speed-up = speculative output tokens/s / baseline output tokens/s at the same
-  concurrency.
+  concurrency; at batch 1 from the interleaved pairs, with its interval (a ratio whose
+  interval contains 1.0 is reported as no measurable speed-up).
 
 The speculative server silently caps running requests at 48 unless
 ``--max-running-requests`` is given (``srt/arg_groups/speculative_hook.py``); the
@@ -43,7 +49,8 @@ from typing import Any
 from eagle3.engines import sglang as sg
 from eagle3.errors import Eagle3Error
 from eagle3.evaluate.served_results import PLOT_NAME, REQUESTS_NAME, build_results, plot_throughput, write_request_log
-from eagle3.evaluate.served_sweeps import sweep_server
+from eagle3.evaluate.served_measures import lossless_check
+from eagle3.evaluate.served_sweeps import diagnose_mismatches, interleave_batch1, sweep_server
 from eagle3.evaluate.servers import (
     ROLES,
     Server,
@@ -69,8 +76,9 @@ def run_sglang_evaluation(cfg: Any, benchmarks: dict, export_meta: dict, output_
     Returns:
         ``{"engine": "sglang", "benchmarks": {name: {acceptance_length,
         acceptance_rate, verify_passes, generated_tokens, per_position_acceptance,
-        tokens_per_s_spec, tokens_per_s_base, speedup, lossless_matches: None,
-        diversity, concurrency: [...]}}, "concurrency": [...], "servers": {...},
+        tokens_per_s_spec, tokens_per_s_base, speedup, speedup_interval,
+        speedup_significant, lossless_matches, lossless_checked, diversity,
+        concurrency: [...]}}, "concurrency": [...], "servers": {...},
         "speculative": {...}, "warnings": [...], "plots": {...}}``.
 
     Raises:
@@ -93,27 +101,96 @@ def run_sglang_evaluation(cfg: Any, benchmarks: dict, export_meta: dict, output_
     if float(cfg.temperature) > 0:
         sampling["sampling_seed"] = int(cfg.seed)
     runs: dict[str, Any] = {}
-    servers: dict[str, dict] = {}
+    descs: dict[str, dict] = {}
     warnings: list[str] = []
+    together = _together(cfg.engine)
+    measure = _measure_together if together else _measure_in_turn
+    paired = measure(cfg, export_meta, out_dir, tokenizer, rows, concurrency, sampling, runs, descs, warnings)
+    results = build_results(runs, descs, cfg, warnings, paired=paired, interleaved=together)
+    for w in results["warnings"]:
+        log.warning(w)
+    plot_throughput(results, out_dir / PLOT_NAME)
+    write_request_log(runs, out_dir / REQUESTS_NAME, paired=paired if together else None)
+    return results
+
+
+def _together(engine_cfg: Any) -> bool:
+    """Whether both servers are up at once: ``engine.launch_together``, else yes when
+    both URLs are given or the servers launched here are CPU servers."""
+    if getattr(engine_cfg, "launch_together", None) is not None:
+        return bool(engine_cfg.launch_together)
+    if engine_cfg.baseline_url and engine_cfg.speculative_url:
+        return True
+    return sg.server_device(engine_cfg) == "cpu"
+
+
+def _open_checked(role: str, cfg: Any, out_dir: Path, export_meta: dict, concurrency: list[int], descs: dict,
+                  warnings: list[str]) -> Server:
+    """Open one server, check it, record its description and cap warnings."""
+    server = open_server(role, cfg, out_dir)
+    try:
+        if role == "speculative":
+            warnings += check_speculative_server(server, cfg, export_meta)
+        descs[role] = server.describe()
+        warnings += cap_warnings(role, descs[role]["effective"], concurrency)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def _measure_together(cfg, export_meta, out_dir, tokenizer, rows, concurrency, sampling, runs, descs, warnings) -> dict:
+    """Both servers up: the interleaved batch-1 pairs (their mismatches diagnosed at
+    temperature 0), then each server's concurrency sweep; returns the pairs."""
+    opened: dict[str, Server] = {}
+    try:
+        for role in ROLES:  # both up at once: the batch-1 requests alternate between them
+            opened[role] = _open_checked(role, cfg, out_dir, export_meta, concurrency, descs, warnings)
+        paired = interleave_batch1({r: opened[r].client for r in ROLES}, tokenizer, rows, sampling,
+                                   int(cfg.warmup_prompts))
+        if float(cfg.temperature) == 0.0:
+            _diagnose(opened["baseline"].client, tokenizer, rows, paired)
+        for role in ROLES:
+            runs[role] = sweep_server(opened[role].client, tokenizer, rows, concurrency, sampling, 0, role)
+        warnings += _missing_counters(runs["speculative"], opened["speculative"], descs["speculative"])
+    finally:
+        for server in opened.values():
+            server.stop()
+    return paired
+
+
+def _measure_in_turn(cfg, export_meta, out_dir, tokenizer, rows, concurrency, sampling, runs, descs, warnings) -> dict:
+    """One server after the other (they share the GPUs): each one's sweep; the pairs are
+    the prompts of the concurrency-1 runs when 1 was swept (not interleaved), else none."""
     for role in ROLES:
-        server = open_server(role, cfg, out_dir)
+        server = _open_checked(role, cfg, out_dir, export_meta, concurrency, descs, warnings)
         try:
-            if role == "speculative":
-                warnings += check_speculative_server(server, cfg, export_meta)
-            desc = server.describe()
-            warnings += cap_warnings(role, desc["effective"], concurrency)
             runs[role] = sweep_server(server.client, tokenizer, rows, concurrency, sampling, int(cfg.warmup_prompts), role)
             if role == "speculative":
-                warnings += _missing_counters(runs[role], server, desc)
-            servers[role] = desc
+                warnings += _missing_counters(runs[role], server, descs[role])
         finally:
             server.stop()
-    for w in warnings:
-        log.warning(w)
-    results = build_results(runs, servers, cfg, warnings)
-    plot_throughput(results, out_dir / PLOT_NAME)
-    write_request_log(runs, out_dir / REQUESTS_NAME)
-    return results
+    if 1 not in concurrency:
+        return {}
+    paired = {}
+    for name in rows:
+        by_id = {role: {} for role in ROLES}
+        for role in ROLES:
+            for r in runs[role][1][name][0]:
+                by_id[role].setdefault(r.sample_id, []).append(r)
+        paired[name] = [(by_id["baseline"][i], by_id["speculative"][i]) for i in by_id["baseline"] if i in by_id["speculative"]]
+    return paired
+
+
+def _diagnose(client: sg.SGLangClient, tokenizer, rows: dict, paired: dict) -> None:
+    """Classify the greedy mismatches of the interleaved pairs (near-tie or not) while
+    the baseline server is up; stored on the pairs' first records for the results."""
+    found = {name: lossless_check(pairs)["mismatches"] for name, pairs in paired.items()}
+    diagnose_mismatches(client, tokenizer, rows, paired, found)
+    for name, ms in found.items():
+        for m in ms:
+            pair = next(p for p in paired[name] if p[0] and p[0][0].sample_id == m["sample_id"])
+            pair[0][m["turn"]].diagnosis = {k: m[k] for k in ("logit_gap", "tie")}
 
 
 def _missing_counters(sweep: dict, server: Server, desc: dict) -> list[str]:

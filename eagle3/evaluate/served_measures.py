@@ -110,3 +110,94 @@ def summarize(records: list[RequestRecord], duration_s: float, positions: int | 
         cp = sum(r.spec_verify_ct for r in clean)
         out["acceptance_length_non_looping"] = sum(r.completion_tokens for r in clean) / cp if cp else None
     return out
+
+
+#: ``[(baseline records, speculative records)]``: one entry per prompt (its turns in order)
+Pairs = list[tuple[list[RequestRecord], list[RequestRecord]]]
+
+
+def _tokens_seconds(pairs: Pairs) -> "Any":
+    """``[n, 4]`` float64: per prompt baseline tokens, baseline seconds, speculative
+    tokens, speculative seconds (request latencies summed over the prompt's turns)."""
+    import numpy as np
+
+    return np.asarray([[sum(r.completion_tokens for r in b), sum(r.latency_s for r in b),
+                        sum(r.completion_tokens for r in s), sum(r.latency_s for r in s)] for b, s in pairs],
+                      dtype=np.float64).reshape(-1, 4)
+
+
+def paired_speedup(pairs: Pairs, resamples: int = 2000, level: float = 0.95, seed: int = 0) -> dict:
+    """Speed-up of batch-1 requests sent to both servers prompt by prompt, with a
+    bootstrap interval over prompts.
+
+    The point estimate is the ratio of the pooled output rates, (sum of speculative
+    tokens / sum of speculative request seconds) / (the same for the baseline), request
+    seconds measured from sending to the last streamed chunk (prefill included, as
+    ``sglang.bench_serving`` times a request). The interval is the percentile bootstrap
+    (Efron & Tibshirani 1993, ch. 13): ``resamples`` draws of the prompts with
+    replacement (numpy generator seeded with ``seed``), the same ratio on each draw, the
+    ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles.
+
+    Returns:
+        ``{"speedup", "interval": [lo, hi] | None, "level", "resamples", "prompts",
+        "tokens_per_s_base", "tokens_per_s_spec", "significant"}``; ``significant`` is
+        True when the interval excludes 1.0 (a speed-up, or a slow-down, beyond the
+        prompt-to-prompt noise), None without an interval (fewer than 2 prompts).
+    """
+    import numpy as np
+
+    a = _tokens_seconds(pairs)
+    out: dict[str, Any] = {"prompts": int(a.shape[0]), "level": level, "resamples": int(resamples),
+                           "speedup": None, "interval": None, "significant": None,
+                           "tokens_per_s_base": None, "tokens_per_s_spec": None}
+    if not a.shape[0] or a[:, 1].sum() <= 0 or a[:, 3].sum() <= 0 or a[:, 0].sum() <= 0:
+        return out
+    out["tokens_per_s_base"] = float(a[:, 0].sum() / a[:, 1].sum())
+    out["tokens_per_s_spec"] = float(a[:, 2].sum() / a[:, 3].sum())
+    out["speedup"] = out["tokens_per_s_spec"] / out["tokens_per_s_base"]
+    if a.shape[0] < 2:
+        return out
+    idx = np.random.default_rng(seed).integers(0, a.shape[0], size=(int(resamples), a.shape[0]))
+    s = a[idx].sum(axis=1)  # [resamples, 4]
+    ok = (s[:, 0] > 0) & (s[:, 1] > 0) & (s[:, 3] > 0)
+    ratios = (s[ok, 2] / s[ok, 3]) / (s[ok, 0] / s[ok, 1])
+    lo, hi = np.quantile(ratios, [(1 - level) / 2, (1 + level) / 2])
+    out["interval"] = [float(lo), float(hi)]
+    out["significant"] = bool(lo > 1.0 or hi < 1.0)
+    return out
+
+
+def lossless_check(pairs: Pairs) -> dict:
+    """Whether the speculative server's greedy output equals the baseline's, per prompt.
+
+    A prompt matches when every turn's output ids are equal (later turns carry the
+    decoded earlier answers, so a first-turn difference also changes later prompts).
+
+    Returns:
+        ``{"matches", "checked", "near_ties", "mismatches": [{"sample_id", "turn",
+        "first_diff", "baseline_tokens", "speculative_tokens"[, "logit_gap", "tie"]}]}``;
+        ``first_diff`` is the first output position whose ids differ (the shorter length
+        when one output is a prefix of the other); ``logit_gap`` / ``tie`` where
+        :func:`eagle3.evaluate.served_sweeps.diagnose_mismatches` set a ``diagnosis`` on
+        the baseline record; ``near_ties`` counts the mismatches that are ties.
+    """
+    matches, mismatches = 0, []
+    for base, spec in pairs:
+        bad = None
+        for b, s in zip(base, spec):
+            if b.output_ids != s.output_ids:
+                n = min(len(b.output_ids), len(s.output_ids))
+                first = next((i for i in range(n) if b.output_ids[i] != s.output_ids[i]), n)
+                bad = {"sample_id": b.sample_id, "turn": b.turn, "first_diff": first,
+                       "baseline_tokens": len(b.output_ids), "speculative_tokens": len(s.output_ids),
+                       **(getattr(b, "diagnosis", None) or {})}
+                break
+        if bad is None and len(base) != len(spec):
+            bad = {"sample_id": base[0].sample_id if base else None, "turn": min(len(base), len(spec)),
+                   "first_diff": 0, "baseline_tokens": None, "speculative_tokens": None}
+        if bad is None:
+            matches += 1
+        else:
+            mismatches.append(bad)
+    return {"matches": matches, "checked": len(pairs), "mismatches": mismatches,
+            "near_ties": sum(1 for m in mismatches if m.get("tie"))}

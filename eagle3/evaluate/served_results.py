@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.evaluate.metrics import diversity, ratio
-from eagle3.evaluate.served_measures import RequestRecord, summarize
+from eagle3.evaluate.served_measures import Pairs, RequestRecord, lossless_check, paired_speedup, summarize
 from eagle3.evaluate.servers import ROLES
 
 PLOT_NAME = "throughput_vs_concurrency.png"
@@ -34,16 +34,27 @@ def build_results(
     servers: dict[str, dict],
     cfg: Any,
     warnings: list[str],
+    paired: dict[str, Pairs] | None = None,
+    interleaved: bool = True,
 ) -> dict:
-    """Per-benchmark results (the hf report's keys, from the lowest concurrency) plus
-    a ``concurrency`` table per benchmark and aggregated over benchmarks.
+    """Per-benchmark results (the hf report's keys) plus a ``concurrency`` table per
+    benchmark and aggregated over benchmarks.
 
     Args:
         runs: both servers' sweeps (:func:`eagle3.evaluate.served_sweeps.sweep_server`).
         servers: ``{role: Server.describe()}`` (the speculative server's effective
             ``speculative_*`` settings win over the configured ones).
-        cfg: the ``EvaluateConfig`` (``concurrency``, ``speculative``, sampling).
-        warnings: kept as the results' ``warnings``.
+        cfg: the ``EvaluateConfig`` (``concurrency``, ``speculative``, sampling, ``seed``).
+        warnings: kept as the results' ``warnings`` (extended with a note per benchmark
+            whose speed-up interval contains 1.0 or whose greedy outputs differ).
+        paired: the interleaved batch-1 pairs
+            (:func:`eagle3.evaluate.served_sweeps.interleave_batch1`); the headline keys
+            come from them (tau, acceptance, tokens/s, ``speedup`` with
+            ``speedup_interval``, ``lossless_matches`` at temperature 0). Without them
+            the headline is the sweep's lowest concurrency and nothing is checked for
+            losslessness.
+        interleaved: whether the pairs were sent prompt by prompt to both servers up at
+            once (else they are the two servers' concurrency-1 runs, one after the other).
     """
     conc = sorted(int(c) for c in cfg.concurrency)
     head = _headline(conc)
@@ -51,6 +62,13 @@ def build_results(
     depth = eff_spec.get("speculative_num_steps") or cfg.speculative.num_steps
     names = list(next(iter(runs["speculative"].values())).keys())
     benchmarks = {name: _benchmark_result(runs, name, conc, head, depth) for name in names}
+    if paired:
+        greedy = float(cfg.temperature) == 0.0
+        for name in names:
+            if paired.get(name):
+                seed = int(getattr(cfg, "seed", 0) or 0)
+                benchmarks[name].update(_paired_result(paired[name], depth, greedy, seed, interleaved))
+                warnings = warnings + _paired_warnings(name, benchmarks[name])
     return {
         "engine": "sglang",
         "benchmarks": benchmarks,
@@ -116,6 +134,66 @@ def _benchmark_result(runs: Runs, name: str, conc: list[int], head: int, depth: 
     }
 
 
+def _paired_result(pairs: Pairs, depth: int, greedy: bool, seed: int, interleaved: bool = True) -> dict:
+    """The headline keys of one benchmark from its interleaved batch-1 pairs."""
+    recs = [r for _, spec in pairs for r in spec]
+    base_recs = [r for base, _ in pairs for r in base]
+    spec = summarize(recs, sum(r.latency_s for r in recs), positions=depth)
+    base = summarize(base_recs, sum(r.latency_s for r in base_recs))
+    sp = paired_speedup(pairs, seed=seed)
+    ll = lossless_check(pairs) if greedy else None
+    keys = ("acceptance_length", "acceptance_length_verify_only", "acceptance_length_non_looping", "acceptance_rate",
+            "verify_passes", "accepted_drafts", "proposed_drafts", "accept_histogram", "per_position_acceptance",
+            "conditional_acceptance")
+    return {
+        **{k: spec.get(k) for k in keys},
+        "num_prompts": len(pairs),
+        "num_turns": spec["requests"],
+        "requests": spec["requests"],
+        "generated_tokens": spec["output_tokens"],
+        "output_tokens_spec": spec["output_tokens"],
+        "output_tokens_base": base["output_tokens"],
+        "tokens_per_s_spec": sp["tokens_per_s_spec"],
+        "tokens_per_s_base": sp["tokens_per_s_base"],
+        "speedup": sp["speedup"],
+        "speedup_interval": sp["interval"],
+        "speedup_interval_level": sp["level"],
+        "speedup_significant": sp["significant"],
+        "lossless_matches": ll["matches"] if ll else None,
+        "lossless_checked": ll["checked"] if ll else None,
+        "lossless_mismatches": ll["mismatches"] if ll else None,
+        "lossless_near_ties": ll["near_ties"] if ll else None,
+        "diversity": diversity([r.output_ids for r in recs]),
+        "ttft_ms_spec": spec["ttft_ms"], "tpot_ms_spec": spec["tpot_ms"],
+        "ttft_ms_base": base["ttft_ms"], "tpot_ms_base": base["tpot_ms"],
+        "measured_at_concurrency": 1,
+        "measured": ("batch 1, baseline and speculative requests interleaved prompt by prompt" if interleaved
+                     else "batch 1, the baseline's run, then the speculative server's"),
+    }
+
+
+def _paired_warnings(name: str, b: dict) -> list[str]:
+    """What a reader must not miss about one benchmark's batch-1 pairs."""
+    out = []
+    iv = b.get("speedup_interval")
+    if iv is not None and b.get("speedup") is not None and iv[0] <= 1.0 <= iv[1]:
+        out.append(
+            f"{name}: tokens/s ratio {b['speedup']:.2f} with {b['speedup_interval_level']:.0%} interval "
+            f"[{iv[0]:.2f}, {iv[1]:.2f}] over {b['num_prompts']} prompts contains 1.0: no speed-up (or slow-down) "
+            "can be claimed at batch 1; evaluate more prompts (data.limit) to narrow it"
+        )
+    if b.get("lossless_matches") is not None and b["lossless_matches"] < b["lossless_checked"]:
+        ms = b["lossless_mismatches"]
+        ties = sum(1 for m in ms if m.get("tie"))
+        out.append(
+            f"{name}: the speculative server's greedy output differs from the baseline's on {len(ms)} of "
+            f"{b['lossless_checked']} prompts, {ties} of them first at a near-tie of the top two log-probs "
+            f"(sample, position, gap: {[(m['sample_id'], m['first_diff'], m.get('logit_gap')) for m in ms[:5]]})"
+            + ("; the others point at the drafter's d2t, the server's dtype or its verify kernels" if ties < len(ms) else "")
+        )
+    return out
+
+
 def _pooled_table(runs: Runs, names: list[str], conc: list[int], depth: int) -> list[dict]:
     """Both servers at every concurrency, all benchmarks pooled (wall times summed)."""
     overall = []
@@ -160,7 +238,8 @@ def plot_throughput(results: dict, path: Path) -> Path:
     ax.set_xlabel("concurrent requests")
     ax.set_ylabel("output tokens / s")
     spec = results["speculative"]
-    ax.set_title(f"SGLang throughput (EAGLE-3 {spec['num_steps']}/{spec['topk']}/{spec['num_draft_tokens']})")
+    engine = {"vllm": "vLLM"}.get(results.get("engine"), "SGLang")
+    ax.set_title(f"{engine} throughput (EAGLE-3 {spec['num_steps']}/{spec['topk']}/{spec['num_draft_tokens']})")
     ax.margins(y=0.15)
     ax.grid(alpha=0.3)
     ax.legend()
@@ -173,15 +252,25 @@ def plot_throughput(results: dict, path: Path) -> Path:
     return path
 
 
-def write_request_log(runs: dict, path: Path) -> None:
-    """Every measured request as one JSON line (role, concurrency, timings, counters)."""
+def write_request_log(runs: dict, path: Path, paired: dict[str, Pairs] | None = None) -> None:
+    """Every measured request as one JSON line (role, concurrency, timings, counters);
+    the interleaved batch-1 requests carry ``"phase": "interleaved"`` and the prompt's
+    index, the sweep's ``"phase": "sweep"``. Written atomically."""
+    def line(r: RequestRecord, **extra) -> str:
+        d = dict(r.__dict__, tpot_s=r.tpot_s, **extra)
+        d.pop("output_ids")
+        return json.dumps(d) + "\n"
+
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
+        for name, pairs in (paired or {}).items():
+            for k, (base, spec) in enumerate(pairs):
+                for role, recs in (("baseline", base), ("speculative", spec)):
+                    for r in recs:
+                        f.write(line(r, role=role, concurrency=1, phase="interleaved", pair=k))
         for role, by_c in runs.items():
             for c, by_b in by_c.items():
                 for recs, _ in by_b.values():
                     for r in recs:
-                        d = dict(r.__dict__, role=role, concurrency=c, tpot_s=r.tpot_s)
-                        d.pop("output_ids")
-                        f.write(json.dumps(d) + "\n")
+                        f.write(line(r, role=role, concurrency=c, phase="sweep"))
     os.replace(tmp, path)

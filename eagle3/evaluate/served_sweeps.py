@@ -1,8 +1,11 @@
-"""Sending the benchmark prompts to one SGLang server, swept over request concurrency.
+"""Sending the benchmark prompts to the SGLang servers: paired at batch 1, then swept
+over request concurrency.
 
 :func:`run_conversation` sends the user turns of one prompt in order as streamed
 ``/generate`` requests (a later turn carries the decoded earlier answers, as MT-Bench
-wants); :func:`sweep_server` runs every benchmark at every concurrency on one server
+wants); :func:`interleave_batch1` sends every prompt to both servers one request at a
+time, alternating which server goes first, so slow drift of the machine's speed hits
+both alike; :func:`sweep_server` runs every benchmark at every concurrency on one server
 with at most ``c`` prompts in flight, the cache flushed before each run.
 """
 
@@ -12,7 +15,8 @@ import logging
 import time
 
 from eagle3.engines import sglang as sg
-from eagle3.evaluate.served_measures import RequestRecord, summarize
+from eagle3.evaluate.served_measures import Pairs, RequestRecord, summarize
+from eagle3.evaluate.servers import ROLES
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +58,56 @@ def run_conversation(client: sg.SGLangClient, tokenizer, sample: dict, benchmark
     return records
 
 
+def _warm_up(client: sg.SGLangClient, tokenizer, benchmarks: dict[str, list[dict]], sampling: dict, warmup: int,
+             role: str) -> None:
+    """Send the first prompt ``warmup`` times, unmeasured."""
+    first = next((s for rows in benchmarks.values() for s in rows), None)
+    if warmup and first is not None:
+        warm = [first] * int(warmup)
+        sg.run_parallel([client], warm, lambda c, s: run_conversation(c, tokenizer, s, "warmup", sampling),
+                        concurrency=min(len(warm), 4), desc=f"{role} warm-up", progress=False)
+
+
+def interleave_batch1(clients: dict[str, sg.SGLangClient], tokenizer, benchmarks: dict[str, list[dict]],
+                      sampling: dict, warmup: int) -> dict[str, Pairs]:
+    """Every prompt on both servers at batch 1, prompt by prompt: ``{benchmark: pairs}``.
+
+    Both servers are up at once and only one request is in flight on the machine:
+    prompt ``k`` (counted over all benchmarks) goes to the baseline first when ``k`` is
+    even and to the speculative server first when it is odd. Each server is warmed up
+    with ``warmup`` prompts and its cache flushed before the first measured prompt.
+
+    Args:
+        clients: ``{"baseline": client, "speculative": client}``.
+
+    Returns:
+        per benchmark, one ``(baseline records, speculative records)`` pair per prompt
+        (:data:`eagle3.evaluate.served_measures.Pairs`), for
+        :func:`~eagle3.evaluate.served_measures.paired_speedup` and
+        :func:`~eagle3.evaluate.served_measures.lossless_check`.
+
+    Raises:
+        eagle3.engines.sglang.ServerUnavailable: a request that keeps failing.
+    """
+    from tqdm.auto import tqdm
+
+    for role in ROLES:
+        _warm_up(clients[role], tokenizer, benchmarks, sampling, warmup, role)
+        clients[role].flush_cache()
+    out: dict[str, Pairs] = {}
+    k = 0
+    with tqdm(total=sum(len(r) for r in benchmarks.values()), desc="batch 1, interleaved", leave=False) as bar:
+        for name, rows in benchmarks.items():
+            out[name] = []
+            for sample in rows:
+                order = ROLES if k % 2 == 0 else ROLES[::-1]
+                recs = {role: run_conversation(clients[role], tokenizer, sample, name, sampling) for role in order}
+                out[name].append((recs["baseline"], recs["speculative"]))
+                k += 1
+                bar.update(1)
+    return out
+
+
 def sweep_server(
     client: sg.SGLangClient,
     tokenizer,
@@ -68,11 +122,7 @@ def sweep_server(
     The cache is flushed before each run (prefix reuse and the server's acceptance
     counters start from zero); ``warmup`` prompts are sent first, unmeasured.
     """
-    first = next((s for rows in benchmarks.values() for s in rows), None)
-    if warmup and first is not None:
-        warm = [first] * int(warmup)
-        sg.run_parallel([client], warm, lambda c, s: run_conversation(c, tokenizer, s, "warmup", sampling),
-                        concurrency=min(len(warm), 4), desc=f"{role} warm-up", progress=False)
+    _warm_up(client, tokenizer, benchmarks, sampling, warmup, role)
     out: dict[int, dict[str, tuple[list[RequestRecord], float]]] = {}
     for c in concurrency:
         out[c] = {}
@@ -91,3 +141,42 @@ def sweep_server(
                      s["output_tokens_per_s"] or 0, s["ttft_ms"]["p50"] or 0,
                      f", tau {s['acceptance_length']:.2f}" if s.get("acceptance_length") else "")
     return out
+
+
+#: a served greedy mismatch counts as a rounding near-tie when the baseline server's
+#: log-probs of the two tokens differ by at most this (nats = logit units): two bf16 ulps
+#: of logits in [16, 32), the magnitude SmolLM2's logits have (its returned log-probs
+#: step by 0.125)
+SERVED_TIE_GAP = 0.25
+
+
+def diagnose_mismatches(client: sg.SGLangClient, tokenizer, rows: dict[str, list[dict]], pairs: dict[str, Pairs],
+                        mismatches: dict[str, list[dict]]) -> None:
+    """Add ``logit_gap`` and ``tie`` to each mismatch (in place): the baseline server is
+    asked once for its top-20 log-probs after the prompt and the baseline's output up to
+    the first differing position, and the two tokens' log-probs are compared (the
+    served analogue of :func:`eagle3.evaluate.inprocess.diagnose_mismatch`). A gap within
+    :data:`SERVED_TIE_GAP` is a flip of two nearly equal logits, not a changed output.
+    """
+    from eagle3.target import render_prompt
+
+    for name, ms in mismatches.items():
+        by_id = {str(s["id"]): (s, pair) for s, pair in zip(rows[name], pairs[name])}
+        for m in ms:
+            sample, (base, spec) = by_id[str(m["sample_id"])]
+            b, s, i = base[m["turn"]].output_ids, spec[m["turn"]].output_ids, m["first_diff"]
+            m.update(logit_gap=None, tie=False)
+            if i >= len(b) or i >= len(s):
+                continue
+            history = []
+            for t, user in enumerate([x for x in sample["messages"] if x.get("role") == "user"][:m["turn"] + 1]):
+                history.append({"role": "user", "content": user["content"]})
+                if t < m["turn"]:
+                    history.append({"role": "assistant", "content": tokenizer.decode(base[t].output_ids, skip_special_tokens=True)})
+            ids = render_prompt(tokenizer, history) + list(b[:i])
+            out = client.generate({"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+                                   "return_logprob": True, "top_logprobs_num": 20})
+            top = {int(e[1]): float(e[0]) for e in (out["meta_info"].get("output_top_logprobs") or [[]])[0]}
+            if b[i] in top and s[i] in top:
+                m["logit_gap"] = abs(top[b[i]] - top[s[i]])
+                m["tie"] = m["logit_gap"] <= SERVED_TIE_GAP

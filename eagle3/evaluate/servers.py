@@ -107,13 +107,14 @@ def open_server(role: str, cfg: Any, run_dir: Path) -> Server:
 
 
 def _launch(role: str, cfg: Any, run_dir: Path) -> Server:
-    """Launch the server for ``role`` here (the speculative one with the drafter export).
+    """Launch the server for ``role`` here (the speculative one with the drafter export),
+    the baseline on ``engine.port`` and the speculative one on ``engine.port + 1``.
 
     Raises:
         Eagle3Error: sglang is not installed, no drafter export, or the launch failed.
     """
     e = cfg.engine
-    if not sg.sglang_available(e.python):
+    if not sg.sglang_available(e.python, sg.server_env(e)):
         raise Eagle3Error(
             f"no {role} SGLang server is configured (engine.{role}_url) and the sglang package is not installed "
             f"here: start both servers where the GPUs are (docs/sglang.md) and pass "
@@ -129,7 +130,9 @@ def _launch(role: str, cfg: Any, run_dir: Path) -> Server:
     from eagle3.target import resolve_target
 
     model_path = sg.resolve_model_path(cfg.model, {"path": resolve_target(cfg.model, cfg.cache_dir).path})
-    launched, cmd = sg.launch_server(cfg.model, e, model_path=model_path, run_dir=run_dir, name=role, speculative=spec)
+    port = int(e.port) + ROLES.index(role)  # both servers run at once: baseline on port, speculative on port + 1
+    launched, cmd = sg.launch_server(cfg.model, e, model_path=model_path, run_dir=run_dir, name=role,
+                                     speculative=spec, port=port)
     try:
         client = sg.SGLangClient(launched.url, e.request_timeout_s, e.max_retries, e.backoff_s)
         info = client.server_info()

@@ -20,11 +20,15 @@ from eagle3.engines.sglang.command import (  # noqa: F401
     render_launch_command,
     resolve_model_path,
     launch_flags,
+    server_device,
+    CPU_MAX_TOTAL_TOKENS,
+    CPU_MEM_FRACTION_STATIC,
 )
 from eagle3.engines.sglang.launch import (  # noqa: F401
     LaunchedServer,
     free_port,
     launch_server,
+    server_env,
 )
 from eagle3.engines.sglang.client import (  # noqa: F401
     RETRY_STATUS,

@@ -12,7 +12,15 @@ import sys
 from pathlib import Path
 
 from eagle3.engines.sglang.bootstrap import CAPTURE_SPEC, _target_dims, ensure_bootstrap_drafter
-from eagle3.engines.sglang.command import cuda_graph_flag, probe_server_flags, render_launch_command, resolve_model_path, sglang_available
+from eagle3.engines.sglang.command import (
+    cuda_graph_flag,
+    probe_server_flags,
+    render_launch_command,
+    resolve_model_path,
+    server_device,
+    sglang_available,
+)
+from eagle3.engines.sglang.launch import server_env
 from eagle3.errors import Eagle3Error
 
 
@@ -48,10 +56,12 @@ def main(argv: list[str] | None = None) -> int:
         elif mode == "speculative":
             spec = {"draft_model_path": str(Path(cfg.drafter_dir).resolve()), "num_steps": cfg.speculative.num_steps,
                     "topk": cfg.speculative.topk, "num_draft_tokens": cfg.speculative.num_draft_tokens}
-        flags = probe_server_flags(cfg.engine.python) if sglang_available(cfg.engine.python) else None
+        env = server_env(cfg.engine)
+        flags = probe_server_flags(cfg.engine.python, env=env) if sglang_available(cfg.engine.python, env) else None
         cmd = render_launch_command(
             cfg.model, cfg.engine, model_path=resolve_model_path(cfg.model, dims), port=int(cfg.engine.port),
             speculative=spec, capture=mode == "capture", cuda_graph_flag_name=cuda_graph_flag(flags),
+            device=server_device(cfg.engine),
         )
     except Eagle3Error as e:
         print(f"error: {e}", file=sys.stderr)

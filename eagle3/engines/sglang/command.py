@@ -14,11 +14,16 @@ abbreviation of it, the spelling of Kimi's own deployment guide),
 ``--speculative-num-draft-tokens``. The CUDA-graph batch cap is ``--cuda-graph-max-bs``
 up to 0.5.14 (where it is already a deprecated alias of ``--cuda-graph-max-bs-decode``)
 and only ``--cuda-graph-max-bs-decode`` in 0.5.23; the launcher asks the installed
-server's ``--help`` which one it has (:func:`probe_server_flags`).
+server's ``--help`` which one it has (:func:`probe_server_flags`). A CPU server (the CPU
+build of 0.5.23, checked against its ``--help`` and a live start) also gets ``--device
+cpu``, ``--disable-overlap-schedule`` and ``--max-total-tokens``
+(``srt/server_args.py`` of that build: ``device``, ``disable_overlap_schedule``,
+``max_total_tokens``).
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
@@ -53,28 +58,62 @@ VERIFIED_FLAGS = {
     "--speculative-num-steps": "srt/arg_groups/fields/spec.py (speculative_num_steps)",
     "--speculative-eagle-topk": "srt/arg_groups/fields/spec.py (speculative_eagle_topk)",
     "--speculative-num-draft-tokens": "srt/arg_groups/fields/spec.py (speculative_num_draft_tokens)",
+    "--device": "srt/server_args.py (ServerArgs.device), CPU build of 0.5.23",
+    "--disable-overlap-schedule": "srt/server_args.py (ServerArgs.disable_overlap_schedule), CPU build of 0.5.23",
+    "--max-total-tokens": "srt/server_args.py (ServerArgs.max_total_tokens), CPU build of 0.5.23",
 }
+#: KV-cache tokens of a CPU server when ``engine.max_total_tokens`` is unset (what the CPU
+#: build was seen to start and serve with on a 24 GiB machine).
+CPU_MAX_TOTAL_TOKENS = 8192
+#: ``--mem-fraction-static`` of a CPU server when ``model.serve.mem_fraction_static`` is
+#: unset. The CPU build derives its default from the host's free memory and, on a host
+#: whose memory other processes use, arrives at a negative fraction and refuses to start
+#: ("Loaded weights leave no GPU memory for the KV cache under --mem-fraction-static=-0.049").
+CPU_MEM_FRACTION_STATIC = 0.5
 
 
-def sglang_available(python: str) -> bool:
+#: answers of :func:`sglang_available` / :func:`probe_server_flags` per (interpreter,
+#: environment): each costs a Python start that imports SGLang (20-30 s on a loaded
+#: 2-core CPU machine), and an evaluation launches two servers.
+_PROBED: dict[tuple, Any] = {}
+
+
+def _probe_key(what: str, python: str, env: dict | None) -> tuple:
+    return (what, python, tuple(sorted((os.environ if env is None else env).items())))
+
+
+def sglang_available(python: str, env: dict | None = None) -> bool:
     """Whether ``python`` (on ``PATH`` or a path) can import ``sglang.launch_server``;
-    asked in a subprocess so the answer is about that interpreter and environment."""
+    asked in a subprocess with environment ``env`` (None: this process's) so the answer
+    is about that interpreter and environment (the CPU build imports only with its
+    ``env.sh`` applied: see :func:`eagle3.engines.sglang.launch.server_env`)."""
+    key = _probe_key("available", python, env)
+    if _PROBED.get(key):
+        return True
     code = f"import importlib.util,sys; sys.exit(0 if importlib.util.find_spec('{LAUNCH_MODULE}') else 1)"
     try:
-        return subprocess.run([python, "-c", code], capture_output=True, timeout=120).returncode == 0
+        ok = subprocess.run([python, "-c", code], capture_output=True, timeout=120, env=env).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         return False
+    _PROBED[key] = ok
+    return ok
 
 
-def probe_server_flags(python: str, timeout_s: float = 180.0) -> set[str] | None:
-    """The long flags ``python -m sglang.launch_server --help`` lists (None if it fails)."""
+def probe_server_flags(python: str, timeout_s: float = 180.0, env: dict | None = None) -> set[str] | None:
+    """The long flags ``python -m sglang.launch_server --help`` lists (None if it fails),
+    run with environment ``env`` (None: this process's)."""
+    key = _probe_key("flags", python, env)
+    if key in _PROBED:
+        return set(_PROBED[key])
     try:
-        r = subprocess.run([python, "-m", LAUNCH_MODULE, "--help"], capture_output=True, text=True, timeout=timeout_s)
+        r = subprocess.run([python, "-m", LAUNCH_MODULE, "--help"], capture_output=True, text=True,
+                           timeout=timeout_s, env=env)
     except (OSError, subprocess.TimeoutExpired):
         return None
     if r.returncode != 0:
         return None
-    return set(re.findall(r"(?<![\w-])(--[a-z0-9][a-z0-9-]*)", r.stdout))
+    _PROBED[key] = flags = set(re.findall(r"(?<![\w-])(--[a-z0-9][a-z0-9-]*)", r.stdout))
+    return set(flags)
 
 
 def cuda_graph_flag(flags: set[str] | None) -> str:
@@ -110,6 +149,7 @@ def render_launch_command(
     speculative: dict | None = None,
     capture: bool = False,
     cuda_graph_flag_name: str = "--cuda-graph-max-bs",
+    device: str = "cuda",
 ) -> list[str]:
     """The full ``python -m sglang.launch_server`` command line, every setting explicit.
 
@@ -121,6 +161,10 @@ def render_launch_command(
             to serve a drafter with ``--speculative-algorithm EAGLE3``.
         capture: add ``--enable-return-hidden-states --disable-radix-cache`` (needs
             ``speculative``) so the server returns aux hidden states for every token.
+        device: ``cuda`` (SGLang's default, no flag) or ``cpu`` (``--device cpu
+            --disable-overlap-schedule --max-total-tokens N``, ``--mem-fraction-static``
+            :data:`CPU_MEM_FRACTION_STATIC` unless the model sets one, no CUDA-graph flag);
+            :func:`server_device` resolves ``engine.device``.
 
     Returns:
         argv list; ``shlex.join`` of it is what the run folder records.
@@ -143,13 +187,20 @@ def render_launch_command(
         cmd += ["--mem-fraction-static", str(float(serve.mem_fraction_static))]
     if serve.language_only:
         cmd.append("--language-only")
-    cmd += [
-        "--host", str(engine_cfg.host),
-        "--port", str(int(port)),
-        "--max-running-requests", str(int(engine_cfg.max_running_requests)),
-        cuda_graph_flag_name, str(int(engine_cfg.cuda_graph_max_bs)),
-        "--chunked-prefill-size", str(int(engine_cfg.chunked_prefill_size)),
-    ]
+    cmd += ["--host", str(engine_cfg.host), "--port", str(int(port))]
+    mrr = getattr(engine_cfg, "max_running_requests", None)
+    if mrr is not None:
+        cmd += ["--max-running-requests", str(int(mrr))]
+    if device == "cpu":
+        mtt = getattr(engine_cfg, "max_total_tokens", None) or CPU_MAX_TOTAL_TOKENS
+        cmd += ["--device", "cpu", "--disable-overlap-schedule", "--max-total-tokens", str(int(mtt))]
+        if not serve.mem_fraction_static:
+            cmd += ["--mem-fraction-static", str(CPU_MEM_FRACTION_STATIC)]
+    else:
+        cmd += [cuda_graph_flag_name, str(int(engine_cfg.cuda_graph_max_bs))]
+        if getattr(engine_cfg, "max_total_tokens", None):
+            cmd += ["--max-total-tokens", str(int(engine_cfg.max_total_tokens))]
+    cmd += ["--chunked-prefill-size", str(int(engine_cfg.chunked_prefill_size))]
     if speculative is not None:
         cmd += [
             "--speculative-algorithm", "EAGLE3",
@@ -169,6 +220,24 @@ def render_launch_command(
             )
     cmd += [str(a) for a in serve.extra_args] + [str(a) for a in engine_cfg.extra_args]
     return cmd
+
+
+def server_device(engine_cfg: Any) -> str:
+    """``engine.device`` resolved: ``cpu`` or ``cuda`` as given, ``auto`` -> ``cuda``
+    when torch sees a CUDA device on this machine (where a launched server runs), else
+    ``cpu``.
+
+    Raises:
+        Eagle3Error: any other value.
+    """
+    dev = str(getattr(engine_cfg, "device", "auto") or "auto").lower()
+    if dev == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if dev not in ("cpu", "cuda"):
+        raise Eagle3Error(f"engine.device={dev} is not a device an SGLang server runs on; use auto, cuda or cpu")
+    return dev
 
 
 def resolve_model_path(model_cfg: Any, dims: dict) -> str:

@@ -25,7 +25,7 @@ from eagle3.engines.base import Engine
 from eagle3.engines.sglang.bootstrap import CAPTURE_SPEC, _target_dims, ensure_bootstrap_drafter, read_draft_aux_ids
 from eagle3.engines.sglang.client import SGLangClient
 from eagle3.engines.sglang.command import launch_flags, resolve_model_path, sglang_available
-from eagle3.engines.sglang.launch import LaunchedServer, launch_server
+from eagle3.engines.sglang.launch import LaunchedServer, launch_server, server_env
 from eagle3.engines.sglang.protocol import capture_request, generate_request, output_ids_from_response, parse_capture
 from eagle3.engines.sglang.scheduler import run_parallel
 from eagle3.engines.sglang.server_info import (
@@ -128,7 +128,7 @@ class SGLangEngine(Engine):
                 reachable or not in capture mode; a launch that fails.
         """
         urls = configured_urls(engine_cfg)
-        if not urls and not sglang_available(engine_cfg.python):
+        if not urls and not sglang_available(engine_cfg.python, server_env(engine_cfg)):
             raise Eagle3Error(
                 "no SGLang server is configured (engine.url) and the sglang package is not installed here: "
                 "start one where the GPUs are (python -m sglang.launch_server ... --speculative-algorithm EAGLE3 "

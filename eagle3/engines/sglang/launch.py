@@ -22,6 +22,7 @@ from eagle3.engines.sglang.command import (
     cuda_graph_flag,
     probe_server_flags,
     render_launch_command,
+    server_device,
     sglang_available,
     unknown_flags,
 )
@@ -130,6 +131,34 @@ class LaunchedServer:
             p.wait(timeout=30)
 
 
+def server_env(engine_cfg: Any) -> dict | None:
+    """The environment a launched server (and the probes before it) runs with.
+
+    This process's environment, then what the shell line ``engine.env_script`` exports
+    when bash sources it (the CPU build's ``env.sh VENV`` sets ``PYTHONPATH`` to its
+    torchvision stand-in, ``SGLANG_USE_CPU_ENGINE`` and ``LD_PRELOAD``), then
+    ``engine.env``. None when neither is set (the child inherits ours).
+
+    Raises:
+        Eagle3Error: the script fails when sourced (its message quoted).
+    """
+    script = getattr(engine_cfg, "env_script", None)
+    extra = dict(getattr(engine_cfg, "env", None) or {})
+    if not script and not extra:
+        return None
+    env = dict(os.environ)
+    if script:
+        r = subprocess.run(["bash", "-c", f". {script} >&2 && env -0"], capture_output=True, timeout=60, env=env)
+        if r.returncode != 0:
+            raise Eagle3Error(
+                f"sourcing engine.env_script='{script}' failed with code {r.returncode} "
+                f"({r.stderr.decode(errors='replace').strip()[-300:]}); fix the script or its arguments"
+            )
+        env = dict(kv.split("=", 1) for kv in r.stdout.decode(errors="replace").split("\0") if "=" in kv)
+    env.update({str(k): str(v) for k, v in extra.items()})
+    return env
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port on ``host`` that is free now (the OS picks it; it may be taken again
     before a server binds it)."""
@@ -152,24 +181,26 @@ def launch_server(
     """Render, check and start one server, wait until it is healthy.
 
     The installed server's ``--help`` decides the CUDA-graph flag's spelling and every
-    rendered flag is checked against it before the (long) start. The log goes to
-    ``<run_dir>/sglang-<name>.log`` and the command to ``<run_dir>/sglang-<name>.cmd``.
+    rendered flag is checked against it before the (long) start. The probes and the
+    server run in :func:`server_env`. The log goes to ``<run_dir>/sglang-<name>.log`` and
+    the command to ``<run_dir>/sglang-<name>.cmd``.
 
     Raises:
         Eagle3Error: sglang is not installed for ``engine.python``, a rendered flag is
             unknown to it, or the server does not come up (with the log's last lines).
     """
     python = engine_cfg.python
-    if not sglang_available(python):
+    env = server_env(engine_cfg)
+    if not sglang_available(python, env):
         raise Eagle3Error(
             f"the sglang package is not installed for '{python}' and engine.url is not set: install sglang "
             "where the GPUs are, or start a server yourself (docs/sglang.md) and pass engine.url=http://HOST:PORT"
         )
     port = int(port or engine_cfg.port)
-    flags = probe_server_flags(python)
+    flags = probe_server_flags(python, env=env)
     cmd = render_launch_command(
         model_cfg, engine_cfg, model_path=model_path, port=port, speculative=speculative, capture=capture,
-        cuda_graph_flag_name=cuda_graph_flag(flags),
+        cuda_graph_flag_name=cuda_graph_flag(flags), device=server_device(engine_cfg),
     )
     if flags:
         bad = unknown_flags(cmd, flags)
@@ -182,7 +213,7 @@ def launch_server(
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / f"sglang-{name}.cmd").write_text(shlex.join(cmd) + "\n")
     url = f"http://{_connect_host(engine_cfg.host)}:{port}"
-    server = LaunchedServer(cmd, run_dir / f"sglang-{name}.log", url)
+    server = LaunchedServer(cmd, run_dir / f"sglang-{name}.log", url, env=env)
     log.info("starting SGLang (%s): %s", name, shlex.join(cmd))
     server.start()
     try:

@@ -104,7 +104,8 @@ def _topk_row(entry: Any, top_k: int, where: str) -> tuple[list[int], list[float
             f"{where} has {got} where {top_k} top log-probs were requested; "
             "send top_logprobs_num equal to capture.top_k (and the target vocabulary must have that many tokens)"
         )
-    pairs = sorted(((float(e[0]), int(e[1])) for e in entry[:top_k]), key=lambda p: -p[0])
+    # equal log-probs: lower id first, as the hf engine and the verifier's argmax order them
+    pairs = sorted(((float(e[0]), int(e[1])) for e in entry[:top_k]), key=lambda p: (-p[0], p[1]))
     return [p[1] for p in pairs], [p[0] for p in pairs]
 
 

@@ -26,7 +26,9 @@ def effective_settings(info: dict) -> dict:
     admits (``internal_states[i]["effective_max_running_requests_per_dp"]``), falling back
     to the resolved ``max_running_requests``; ``cuda_graph_max_bs`` is read from
     ``cuda_graph_max_bs`` (older servers), ``cuda_graph_max_bs_decode`` or
-    ``cuda_graph_config.decode.max_bs`` (0.5.23).
+    ``cuda_graph_config.decode.max_bs`` (0.5.23), and is None on a CPU server
+    (``device: "cpu"``), which reports a ``max_bs`` but captures no graphs
+    (``memory_usage.graph`` all zero in its ``internal_states``).
     """
     keys = (
         "model_path", "tokenizer_path", "tp_size", "dp_size", "dtype", "quantization", "kv_cache_dtype",
@@ -40,7 +42,11 @@ def effective_settings(info: dict) -> dict:
     cg = info.get("cuda_graph_max_bs", info.get("cuda_graph_max_bs_decode"))
     if cg is None and isinstance(info.get("cuda_graph_config"), dict):
         cg = (info["cuda_graph_config"].get("decode") or {}).get("max_bs")
+    if str(info.get("device") or "").lower() == "cpu":
+        cg = None  # a CPU server reports a decode max_bs (32) but captures no CUDA graphs
     out["cuda_graph_max_bs"] = cg
+    if "device" in info:
+        out["device"] = info["device"]
     states = [s for s in (info.get("internal_states") or []) if isinstance(s, dict)]
     per_dp = [s.get("effective_max_running_requests_per_dp") for s in states]
     if per_dp and all(isinstance(v, int) for v in per_dp):
@@ -55,7 +61,7 @@ def effective_settings(info: dict) -> dict:
 
 #: Settings recorded in the manifest: resolved at start-up and unchanged while the server runs.
 STATIC_KEYS = (
-    "model_path", "tokenizer_path", "tp_size", "dp_size", "dtype", "quantization", "kv_cache_dtype",
+    "device", "model_path", "tokenizer_path", "tp_size", "dp_size", "dtype", "quantization", "kv_cache_dtype",
     "context_length", "max_running_requests", "cuda_graph_max_bs", "chunked_prefill_size",
     "disable_radix_cache", "enable_return_hidden_states", "speculative_algorithm",
     "speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens",
