@@ -1,7 +1,8 @@
 """Describe the served target: its local folder (built on first use), sizes, aux layers, content hash.
 
 :func:`target_folder` builds what the config asks for (the dense folder of
-:mod:`eagle3.target.source`, then the W4A16 build of :mod:`eagle3.target.quantize`);
+:mod:`eagle3.target.source`, then the W4A16 build of :mod:`eagle3.target.quantize`,
+then, for ``w4a16-dequant``, its dense dequantisation);
 :func:`resolve_target` reads the sizes from the folder's ``config.json`` (or the config
 fields, for a hub-only target) into a :class:`TargetInfo`. The content hash (sha256
 over the weight files) is cached in ``<folder>.content-hash.json`` next to the folder.
@@ -19,8 +20,16 @@ from typing import Any, Optional
 
 from eagle3.errors import Eagle3Error
 from eagle3.target.layers import resolve_aux_layer_ids
-from eagle3.target.quantize import _build_w4a16
-from eagle3.target.source import _atomic_build, _dense_folder, _torch_dtype, quantized_folder_name
+from eagle3.target.quantize import _build_dequant, _build_w4a16
+from eagle3.target.source import (
+    _atomic_build,
+    _dense_folder,
+    _torch_dtype,
+    dequant_folder_name,
+    quantized_folder_name,
+)
+
+QUANTIZATION_METHODS = ("none", "w4a16", "w4a16-dequant")
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 
@@ -113,19 +122,34 @@ def target_folder(model_cfg, cache_dir) -> Optional[Path]:
     """The local HF folder that serves the target (building it on first use), or None.
 
     ``None`` means a hub-only target (served by a remote engine such as SGLang).
+    ``w4a16`` builds the W4A16 folder from the dense one (unless ``prequantized``);
+    ``w4a16-dequant`` builds that same W4A16 folder (or takes the prequantized source)
+    and then its dense dequantisation ``<w4a16 folder>-dequant-<dtype>`` next to it.
+
+    Raises:
+        Eagle3Error: an unknown method, ``bits`` other than 4, or a source that is no
+            W4A16 checkpoint where one is needed.
     """
     cache_dir = Path(cache_dir)
     q = _quant_dict(model_cfg)
-    if q["method"] not in ("none", "w4a16"):
-        raise Eagle3Error(f"model.quantization.method '{q['method']}' is unknown; use none or w4a16")
+    if q["method"] not in QUANTIZATION_METHODS:
+        raise Eagle3Error(
+            f"model.quantization.method '{q['method']}' is unknown; use one of {', '.join(QUANTIZATION_METHODS)}"
+        )
     dense = _dense_folder(model_cfg, cache_dir)
-    if dense is None or q["method"] == "none" or q["prequantized"]:
+    if dense is None or q["method"] == "none" or (q["prequantized"] and q["method"] == "w4a16"):
         return dense
     if q["bits"] != 4:
-        raise Eagle3Error("model.quantization.method=w4a16 needs quantization.bits=4")
-    target = cache_dir / quantized_folder_name(dense.name, q)
+        raise Eagle3Error(f"model.quantization.method={q['method']} needs quantization.bits=4")
     dtype = _torch_dtype(model_cfg.dtype)
-    return _atomic_build(target, lambda tmp: _build_w4a16(dense, q, dtype, tmp), f"W4A16 build of {dense.name}")
+    packed = dense
+    if not q["prequantized"]:
+        packed = _atomic_build(cache_dir / quantized_folder_name(dense.name, q),
+                               lambda tmp: _build_w4a16(dense, q, dtype, tmp), f"W4A16 build of {dense.name}")
+    if q["method"] == "w4a16":
+        return packed
+    target = cache_dir / dequant_folder_name(packed.name, model_cfg.dtype)
+    return _atomic_build(target, lambda tmp: _build_dequant(packed, dtype, tmp), f"dequantised build of {packed.name}")
 
 
 def _check_field(model_cfg, name: str, actual: Optional[int]) -> int:

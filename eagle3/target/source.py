@@ -14,7 +14,7 @@ A target (:class:`eagle3.config.ModelConfig`) is found from its ``source``:
 
 Builds are atomic (built in a temporary folder next to the target, then
 ``os.replace``) and serialised between processes by a lock file; the W4A16 build of
-:mod:`eagle3.target.quantize` uses the same machinery.
+:mod:`eagle3.target.quantize` and its dequantised dense build use the same machinery.
 """
 
 from __future__ import annotations
@@ -92,6 +92,11 @@ def quantized_folder_name(dense_name: str, q: dict) -> str:
     """Cache folder name of a W4A16 build made from the dense folder ``dense_name``."""
     sym = "sym" if q["symmetric"] else "asym"
     return f"{dense_name}-w{q['bits']}a16-g{q['group_size']}-{sym}"
+
+
+def dequant_folder_name(packed_name: str, dtype: str) -> str:
+    """Cache folder name of the dense ``dtype`` dequantisation of the W4A16 folder ``packed_name``."""
+    return f"{packed_name}-dequant-{dtype}"
 
 
 # ------------------------------------------------------------------ atomic builds
