@@ -148,6 +148,22 @@ def test_a_full_vocabulary_drafter_is_written_for_vllm_without_d2t(tmp_path):
         export_vllm(m.eval(), tmp_path / "vllm2", dict(META))
 
 
+def test_converting_an_sglang_export_gives_the_vllm_export_of_the_same_drafter(tmp_path, exports):
+    from safetensors.torch import load_file
+
+    from eagle3.export.convert import main
+
+    sg, vl = exports
+    out = tmp_path / "converted"
+    assert main([str(sg), str(out)]) == 0
+    assert (out / "config.json").read_text() == (vl / "config.json").read_text()
+    a, b = load_file(str(out / "model.safetensors")), load_file(str(vl / "model.safetensors"))
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    meta = json.loads((out / "eagle3_meta.json").read_text())
+    assert meta["aux_id_convention"] == "vllm" and "sglang_aux_layer_ids" not in meta
+    assert main([str(vl), str(tmp_path / "again")]) == 2  # a vLLM export is not an SGLang one
+
+
 def test_a_speculative_server_serving_the_sglang_export_is_refused(exports):
     sg, vl = exports
     exp = read_vllm_export(vl)
@@ -368,3 +384,14 @@ def test_max_num_seqs_from_a_recorded_launch_log_line(tmp_path):
     assert max_num_seqs_from_log(log) == 8
     (tmp_path / "empty.log").write_text("nothing\n")
     assert max_num_seqs_from_log(tmp_path / "empty.log") is None
+
+
+def test_the_default_sglang_drafter_dir_resolves_to_the_vllm_export_beside_it(tmp_path, exports):
+    from eagle3.evaluate.served_vllm import vllm_export_dir
+
+    sg, vl = exports
+    assert vllm_export_dir(sg) == vl  # both written by one training run
+    lone = tmp_path / "run" / "export" / "sglang"
+    lone.mkdir(parents=True)
+    assert vllm_export_dir(lone) == lone  # no vLLM export beside it: given as is, refused later with the fix
+    assert vllm_export_dir(vl) == vl

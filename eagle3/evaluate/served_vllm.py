@@ -67,6 +67,18 @@ def check_feature_aux_ids(export, manifest: Optional[dict], architecture: str) -
     return check_aux_ids(export, manifest, architecture)
 
 
+def vllm_export_dir(drafter_dir: str | Path) -> Path:
+    """``<run>/export/sglang`` (evaluate's default ``drafter_dir``) -> ``<run>/export/vllm``
+    when that folder exists: every training run writes both, and vLLM must be given its own
+    (an SGLang export would feed it the layers below the trained ones). Any other folder is
+    returned as given (and checked by :func:`read_checked_export`)."""
+    d = Path(drafter_dir)
+    if d.name == "sglang" and d.parent.name == "export" and (d.parent / "vllm" / "config.json").is_file():
+        log.info("engine=vllm serves %s, the vLLM export beside %s", d.parent / "vllm", d)
+        return d.parent / "vllm"
+    return d
+
+
 def run_vllm_stage(cfg: Any, settings, warnings: list[str]) -> dict:
     """``engine=vllm`` from the export to the report (module docstring); returns the results.
 
@@ -89,6 +101,7 @@ def run_vllm_stage(cfg: Any, settings, warnings: list[str]) -> dict:
         raise Eagle3Error(f"concurrency {list(cfg.concurrency)} must list positive request counts, e.g. [1, 4, 16]")
     if int(settings.topk) != 1:
         warnings.append(f"vLLM's EAGLE-3 proposes a chain (topk 1); speculative.topk={settings.topk} is not used")
+    cfg.drafter_dir = str(vllm_export_dir(cfg.drafter_dir))
     export, manifest, info, tokenizer = read_checked_export(cfg, warnings)
     names = benchmark_names(cfg.data)
     benchmarks = load_benchmarks(cfg, names, manifest)
