@@ -83,6 +83,12 @@ def test_verdicts():
     served = {**ok, "concurrency": [{"concurrency": 1, "speedup": 1.5}, {"concurrency": 128, "speedup": 0.4}]}
     v, notes = verdict(served, spec_cap=48)
     assert v == "throttled" and "48" in notes[0]
+    # gains at low load, losses at high load under a cap that was not reached: the device, not the server
+    v, notes = verdict({**ok, "concurrency": [{"concurrency": 1, "speedup": 1.3}, {"concurrency": 4, "speedup": 0.9}]},
+                       spec_cap=256)
+    assert v == "compute-bound" and "[4]" in notes[0] and "256" in notes[0] and "not a throttled server" in notes[0]
+    v, notes = verdict({**ok, "concurrency": [{"concurrency": 1, "speedup": 1.3}, {"concurrency": 4, "speedup": 0.9}]})
+    assert v == "throttled" and "unknown" in notes[0]
     # a bad drafter is not called throttled
     assert "throttled" not in verdict({**served, "acceptance_length": 1.0}, spec_cap=48)[0]
     assert verdict({"acceptance_length": float("nan")})[0] == "OK"

@@ -188,7 +188,9 @@ def verdict(bench: dict, spec_cap: Optional[int] = None) -> tuple[str, list[str]
 
     Returns:
         ``(verdict, notes)``: ``verdict`` is ``"OK"`` or the comma-joined codes
-        ``accepts-nothing``, ``slower``, ``throttled``, ``loops``, ``not-lossless``
+        ``accepts-nothing``, ``slower``, ``throttled`` (losses above the server's running-request cap,
+        or at high load with the cap unknown), ``compute-bound`` (losses at high load under a known cap
+        that was not reached), ``loops``, ``not-lossless``
         (mismatches with the target's greedy output beyond ``lossless_near_ties``);
         ``notes`` says what each means and what to check.
     """
@@ -213,13 +215,22 @@ def verdict(bench: dict, spec_cap: Optional[int] = None) -> tuple[str, list[str]
         slow = [int(r["concurrency"]) for r in rows if r["speedup"] < 1.0]
         over_cap = [c for c in slow if spec_cap is not None and c > spec_cap]
         drops = rows[0]["speedup"] >= 1.0 and slow  # gains at low load, losses at high load
-        if over_cap or drops:
+        if over_cap or (drops and spec_cap is None):
             codes.append("throttled")
             notes.append(
                 f"tau {tau:.2f} is fine but throughput falls below the baseline at concurrency {slow}"
-                + (f", above the {spec_cap} running requests the speculative server admits" if over_cap else "")
+                + (f", above the {spec_cap} running requests the speculative server admits" if over_cap else
+                   " (the speculative server's running-request cap is unknown)")
                 + ": a throttled server, not a bad drafter (set --max-running-requests and --cuda-graph-max-bs "
                 "explicitly and compare with /server_info)"
+            )
+        elif drops:  # the cap is known and not reached: the device, not the server, sets the limit
+            codes.append("compute-bound")
+            notes.append(
+                f"tau {tau:.2f} pays at low load but throughput falls below the baseline at concurrency {slow}, "
+                f"although the speculative server admits {spec_cap} running requests: not a throttled server; at "
+                "that batch the verify passes' extra work costs more than the accepted drafts save (expected on a "
+                "compute-bound device)"
             )
     div = bench.get("diversity") or {}
     if div.get("loops"):
