@@ -206,32 +206,7 @@ def verdict(bench: dict, spec_cap: Optional[int] = None) -> tuple[str, list[str]
     if sp is not None and sp < 1.0:
         codes.append("slower")
         notes.append(f"speed-up {sp:.2f} < 1: speculation costs more than it saves here")
-    rows = sorted(
-        (r for r in (bench.get("concurrency") or []) if r.get("speedup") is not None),
-        key=lambda r: int(r["concurrency"]),
-    )
-    good_tau = tau is not None and not math.isnan(tau) and tau >= 1.5
-    if good_tau and rows:
-        slow = [int(r["concurrency"]) for r in rows if r["speedup"] < 1.0]
-        over_cap = [c for c in slow if spec_cap is not None and c > spec_cap]
-        drops = rows[0]["speedup"] >= 1.0 and slow  # gains at low load, losses at high load
-        if over_cap or (drops and spec_cap is None):
-            codes.append("throttled")
-            notes.append(
-                f"tau {tau:.2f} is fine but throughput falls below the baseline at concurrency {slow}"
-                + (f", above the {spec_cap} running requests the speculative server admits" if over_cap else
-                   " (the speculative server's running-request cap is unknown)")
-                + ": a throttled server, not a bad drafter (set --max-running-requests and --cuda-graph-max-bs "
-                "explicitly and compare with /server_info)"
-            )
-        elif drops:  # the cap is known and not reached: the device, not the server, sets the limit
-            codes.append("compute-bound")
-            notes.append(
-                f"tau {tau:.2f} pays at low load but throughput falls below the baseline at concurrency {slow}, "
-                f"although the speculative server admits {spec_cap} running requests: not a throttled server; at "
-                "that batch the verify passes' extra work costs more than the accepted drafts save (expected on a "
-                "compute-bound device)"
-            )
+    _load_verdict(bench, tau, spec_cap, codes, notes)
     div = bench.get("diversity") or {}
     if div.get("loops"):
         codes.append("loops")
@@ -260,3 +235,32 @@ def verdict(bench: dict, spec_cap: Optional[int] = None) -> tuple[str, list[str]
                 "differently from a one-token step), which is not a loss"
             )
     return (", ".join(codes) if codes else "OK"), notes
+
+def _load_verdict(bench: dict, tau: Optional[float], spec_cap: Optional[int], codes: list[str], notes: list[str]) -> None:
+    """The served-load part of :func:`verdict`: ``throttled`` or ``compute-bound`` (appended in place)."""
+    rows = sorted(
+        (r for r in (bench.get("concurrency") or []) if r.get("speedup") is not None),
+        key=lambda r: int(r["concurrency"]),
+    )
+    good_tau = tau is not None and not math.isnan(tau) and tau >= 1.5
+    if good_tau and rows:
+        slow = [int(r["concurrency"]) for r in rows if r["speedup"] < 1.0]
+        over_cap = [c for c in slow if spec_cap is not None and c > spec_cap]
+        drops = rows[0]["speedup"] >= 1.0 and slow  # gains at low load, losses at high load
+        if over_cap or (drops and spec_cap is None):
+            codes.append("throttled")
+            notes.append(
+                f"tau {tau:.2f} is fine but throughput falls below the baseline at concurrency {slow}"
+                + (f", above the {spec_cap} running requests the speculative server admits" if over_cap else
+                   " (the speculative server's running-request cap is unknown)")
+                + ": a throttled server, not a bad drafter (set --max-running-requests and --cuda-graph-max-bs "
+                "explicitly and compare with /server_info)"
+            )
+        elif drops:  # the cap is known and not reached: the device, not the server, sets the limit
+            codes.append("compute-bound")
+            notes.append(
+                f"tau {tau:.2f} pays at low load but throughput falls below the baseline at concurrency {slow}, "
+                f"although the speculative server admits {spec_cap} running requests: not a throttled server; at "
+                "that batch the verify passes' extra work costs more than the accepted drafts save (expected on a "
+                "compute-bound device)"
+            )
