@@ -10,7 +10,9 @@
 #
 # Sizes come from the environment: PROMPTS, EXTRACT_WORKERS, MAX_TURNS, MAX_NEW_TOKENS, EPOCHS,
 # EVAL_PROMPTS, EVAL_WORKERS, EVAL_MAX_NEW_TOKENS, TIMING_PROMPTS, MTBENCH (path of MT-Bench's
-# question.jsonl, adds that benchmark).
+# question.jsonl, adds that benchmark), FEAT (features folder, default $RUN/features: several
+# runs can train on one extraction) and TRAIN_OVERRIDES (extra train.py overrides, e.g.
+# "drafter.lm_head_init=target").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN=${RUN:-runs/h200}
@@ -24,7 +26,8 @@ EVAL_WORKERS=${EVAL_WORKERS:-12}
 EVAL_MAX_NEW_TOKENS=${EVAL_MAX_NEW_TOKENS:-128}
 TIMING_PROMPTS=${TIMING_PROMPTS:-10}
 STAGES=${STAGES:-"extract train bench_train evaluate timing bench_extract fsdp_check"}
-FEAT=$RUN/features
+FEAT=${FEAT:-$RUN/features}
+TRAIN_OVERRIDES=${TRAIN_OVERRIDES:-}
 DRAFTER=$RUN/drafter
 mkdir -p "$RUN"
 export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=10
@@ -44,7 +47,7 @@ for stage in $STAGES; do
     ;;
   train)
     python train.py experiment=h200 loop.epochs="$EPOCHS" features_dir="$FEAT" output_dir="$DRAFTER" \
-      2>&1 | tee "$RUN/train.log"
+      $TRAIN_OVERRIDES 2>&1 | tee "$RUN/train.log"
     ;;
   bench_train)
     python benchmarks/train_throughput.py --device cuda --iters 5 --json "$RUN/bench_train.json" 2>&1 | tee "$RUN/bench_train.log"
