@@ -95,9 +95,16 @@ class VLLMEngineConfig:
     ``gpu_memory_utilization`` is passed on a GPU build only. ``max_num_seqs`` is vLLM's
     cap on running requests, read back from ``/server_info`` (or the launch log) and
     reported; a tested concurrency above it is warned about.
+
+    Extraction (``extract.py engine=vllm``, :mod:`eagle3.engines.vllm.engine`) uses one
+    server without a drafter, ``url`` or launched on ``port``, for the replies, and
+    captures their features in process on ``capture_device``; served evaluation refuses ``url``.
     """
 
     name: str = "vllm"
+    url: Optional[str] = None  # extraction only: the generation server (no drafter); None = launch one
+    concurrency: int = 16  # extraction: generation requests in flight
+    capture_device: str = "auto"  # extraction: where the hf engine captures features on the served replies
     baseline_url: Optional[str] = None  # server without a drafter
     speculative_url: Optional[str] = None  # server serving the drafter
     host: str = "127.0.0.1"

@@ -75,11 +75,11 @@ def test_sweep_reports_tau_throughput_and_plot(tokenizer_dir, servers, tmp_path)
     res = se.run_sglang_evaluation(cfg, benchmarks(), {"aux_layer_ids": [2, 4, 5]}, tmp_path)
 
     assert res["engine"] == "sglang" and res["warnings"] == []
-    # one warm-up conversation, then 6 single-turn + 3 two-turn prompts three times: the
-    # interleaved batch-1 pairs, then the sweep at c=1 and c=4
+    # one warm-up conversation, then 6 single-turn + 3 two-turn prompts twice: the
+    # interleaved batch-1 pairs (which are also the sweep's c=1 row), then the sweep at c=4
     measured = [b for b in spec.requests if b.get("stream")]
-    assert len(measured) == 1 + 3 * (6 + 3 * 2)
-    assert len([b for b in base.requests if b.get("stream")]) == 1 + 3 * (6 + 3 * 2)
+    assert len(measured) == 1 + 2 * (6 + 3 * 2)
+    assert len([b for b in base.requests if b.get("stream")]) == 1 + 2 * (6 + 3 * 2)
     # mt-bench: the second turn carries the first (prompt + answer) in front of it
     firsts = {tuple(b["input_ids"]) for b in measured}
     seconds = [b["input_ids"] for b in measured if any(tuple(b["input_ids"][:len(f)]) == f and len(f) < len(b["input_ids"]) for f in firsts)]
@@ -109,7 +109,7 @@ def test_sweep_reports_tau_throughput_and_plot(tokenizer_dir, servers, tmp_path)
         toks += n
         passes += len(spec_passes(n - 1, PATTERN))  # the first token comes from the prefill
     assert res["benchmarks"]["gsm8k"]["acceptance_length"] == pytest.approx(toks / passes)
-    at_c1 = measured[1 + 12:1 + 24]
+    at_c1 = measured[1:1 + 12]  # the c=1 row of the sweep is the interleaved pairs
     toks = passes = 0
     hist = [0, 0, 0, 0]
     for b in at_c1:
@@ -133,7 +133,7 @@ def test_sweep_reports_tau_throughput_and_plot(tokenizer_dir, servers, tmp_path)
     png = tmp_path / PLOT_NAME
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     lines = [json.loads(x) for x in (tmp_path / REQUESTS_NAME).read_text().splitlines()]
-    assert len(lines) == 2 * 2 * 12 + 2 * 12
+    assert len(lines) == 2 * 12 + 2 * 12  # the pairs (both roles), then the c=4 sweep (both roles)
     assert sum(x["phase"] == "interleaved" for x in lines) == 2 * 12
     assert res["servers"]["speculative"]["effective"]["speculative_algorithm"] == "EAGLE3"
 

@@ -1,4 +1,4 @@
-"""Engines serving the target: ``hf`` (in-process transformers) and ``sglang`` (a server)."""
+"""Engines serving the target: ``hf`` (in-process transformers), ``sglang`` and ``vllm`` (servers)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ def build_engine(model_cfg, engine_cfg, cache_dir, run_dir) -> Engine:
 
     ``hf`` loads the target in this process (building its folder on first use);
     ``sglang`` connects to / launches an SGLang server (imported lazily, so the hf path
-    never needs SGLang's client code).
+    never needs SGLang's client code); ``vllm`` generates the replies on a vLLM server
+    and captures their features in process (:mod:`eagle3.engines.vllm.engine`).
 
     Raises:
         Eagle3Error: an unknown engine name, SGLang support missing, or what the
@@ -32,4 +33,8 @@ def build_engine(model_cfg, engine_cfg, cache_dir, run_dir) -> Engine:
                 f"SGLang support is missing in this installation ({e}); use engine=hf or install eagle3 with its sglang engine"
             ) from None
         return SGLangEngine.from_config(model_cfg, engine_cfg, cache_dir, run_dir)
-    raise Eagle3Error(f"engine '{name}' is unknown; use engine=hf or engine=sglang")
+    if name == "vllm":
+        from eagle3.engines.vllm.engine import VLLMEngine
+
+        return VLLMEngine.from_config(model_cfg, engine_cfg, cache_dir, run_dir)
+    raise Eagle3Error(f"engine '{name}' is unknown; use engine=hf, engine=sglang or engine=vllm")

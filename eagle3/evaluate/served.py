@@ -141,7 +141,12 @@ def _open_checked(role: str, cfg: Any, out_dir: Path, export_meta: dict, concurr
 
 def _measure_together(cfg, export_meta, out_dir, tokenizer, rows, concurrency, sampling, runs, descs, warnings) -> dict:
     """Both servers up: the interleaved batch-1 pairs (their mismatches diagnosed at
-    temperature 0), then each server's concurrency sweep; returns the pairs."""
+    temperature 0), then each server's concurrency sweep; returns the pairs.
+
+    The pairs are the sweep's concurrency-1 row (:func:`pairs_as_sweep`): sending every
+    prompt at batch 1 again would only repeat them. The request log is rewritten after
+    the pairs and after each server's sweep, so a run stopped part-way keeps what it
+    measured."""
     opened: dict[str, Server] = {}
     try:
         for role in ROLES:  # both up at once: the batch-1 requests alternate between them
@@ -150,8 +155,14 @@ def _measure_together(cfg, export_meta, out_dir, tokenizer, rows, concurrency, s
                                    int(cfg.warmup_prompts))
         if float(cfg.temperature) == 0.0:
             _diagnose(opened["baseline"].client, tokenizer, rows, paired)
+        write_request_log({}, out_dir / REQUESTS_NAME, paired=paired)  # kept if the sweep is cut short
+        log.info("batch-1 pairs written to %s", out_dir / REQUESTS_NAME)
+        rest = [c for c in concurrency if c != 1]  # concurrency 1 is what the pairs measured
         for role in ROLES:
-            runs[role] = sweep_server(opened[role].client, tokenizer, rows, concurrency, sampling, 0, role)
+            runs[role] = sweep_server(opened[role].client, tokenizer, rows, rest, sampling, 0, role) if rest else {}
+            if 1 in concurrency:
+                runs[role] = {1: pairs_as_sweep(paired, ROLES.index(role)), **runs[role]}
+            write_request_log(runs, out_dir / REQUESTS_NAME, paired=paired)
         warnings += _missing_counters(runs["speculative"], opened["speculative"], descs["speculative"])
     finally:
         for server in opened.values():
@@ -180,6 +191,18 @@ def _measure_in_turn(cfg, export_meta, out_dir, tokenizer, rows, concurrency, sa
                 by_id[role].setdefault(r.sample_id, []).append(r)
         paired[name] = [(by_id["baseline"][i], by_id["speculative"][i]) for i in by_id["baseline"] if i in by_id["speculative"]]
     return paired
+
+
+def pairs_as_sweep(paired: dict, side: int) -> dict:
+    """One side of the interleaved pairs (0 baseline, 1 speculative) in the shape of a
+    sweep's concurrency-1 row: ``{benchmark: (records, seconds)}``, where the seconds
+    are the requests' summed latencies (one request in flight at a time, so the summed
+    latencies are the time that side's requests took)."""
+    out = {}
+    for name, pairs in paired.items():
+        recs = [r for pair in pairs for r in pair[side]]
+        out[name] = (recs, sum(r.latency_s for r in recs))
+    return out
 
 
 def _diagnose(client: sg.SGLangClient, tokenizer, rows: dict, paired: dict) -> None:

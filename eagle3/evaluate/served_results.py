@@ -255,13 +255,15 @@ def plot_throughput(results: dict, path: Path) -> Path:
 def write_request_log(runs: dict, path: Path, paired: dict[str, Pairs] | None = None) -> None:
     """Every measured request as one JSON line (role, concurrency, timings, counters);
     the interleaved batch-1 requests carry ``"phase": "interleaved"`` and the prompt's
-    index, the sweep's ``"phase": "sweep"``. Written atomically."""
+    index, the sweep's ``"phase": "sweep"`` (a sweep record that is also a pair's is
+    written once, as the pair's). Written atomically."""
     def line(r: RequestRecord, **extra) -> str:
         d = dict(r.__dict__, tpot_s=r.tpot_s, **extra)
         d.pop("output_ids")
         return json.dumps(d) + "\n"
 
     tmp = path.with_name(path.name + ".tmp")
+    seen = {id(r) for pairs in (paired or {}).values() for pair in pairs for recs in pair for r in recs}
     with open(tmp, "w") as f:
         for name, pairs in (paired or {}).items():
             for k, (base, spec) in enumerate(pairs):
@@ -272,5 +274,6 @@ def write_request_log(runs: dict, path: Path, paired: dict[str, Pairs] | None = 
             for c, by_b in by_c.items():
                 for recs, _ in by_b.values():
                     for r in recs:
-                        f.write(line(r, role=role, concurrency=c, phase="sweep"))
+                        if id(r) not in seen:  # the concurrency-1 row may be the pairs themselves
+                            f.write(line(r, role=role, concurrency=c, phase="sweep"))
     os.replace(tmp, path)

@@ -96,6 +96,10 @@ def run_vllm_stage(cfg: Any, settings, warnings: list[str]) -> dict:
     from eagle3.paths import stage_output_dir
 
     warnings = list(warnings)
+    if getattr(cfg.engine, "url", None):
+        raise Eagle3Error(f"engine.url={cfg.engine.url} names one server, but served evaluation compares two: pass "
+                          "engine.baseline_url (no drafter) and engine.speculative_url (serving the drafter), or "
+                          "neither to launch both here")
     concurrency = sorted({int(c) for c in cfg.concurrency})
     if not concurrency or min(concurrency) < 1:
         raise Eagle3Error(f"concurrency {list(cfg.concurrency)} must list positive request counts, e.g. [1, 4, 16]")

@@ -1,0 +1,182 @@
+"""``extract.py engine=vllm`` against a loopback vLLM server: the replies are the server's,
+the features are the in-process capture of exactly those ids.
+
+The fake answers ``/v1/completions`` with a reply computed from the prompt ids by a rule
+(:func:`rule_reply`), shaped like the recorded real answers (``tests/fixtures/vllm_*``:
+``token_ids`` end with the stop token when ``finish_reason`` is ``stop``); the test checks
+the written shards against that rule and against an independent ``HFEngine.capture`` of
+the same sequences.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle3 import features
+from eagle3.config import CaptureConfig, DataConfig, ExtractConfig, HFEngineConfig, ModelConfig, SamplingConfig, VLLMEngineConfig
+from eagle3.engines.vllm.engine import reply_ids
+from eagle3.errors import Eagle3Error
+from eagle3.extract.run import run_extract
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+FIX = Path(__file__).resolve().parent / "fixtures"
+STOP = 2  # SmolLM2's <|im_end|>
+CHATS = [
+    {"messages": [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello"},
+                  {"role": "user", "content": "How are you?"}]},
+    {"messages": [{"role": "user", "content": "Name a colour."}]},
+    {"messages": [{"role": "user", "content": "Why is the sky blue?"}]},
+    {"messages": [{"role": "user", "content": "Count to three."}]},
+]
+
+
+def rule_reply(prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
+    """The fake server's greedy reply: ``3 + len(prompt) % 5`` content ids then the stop
+    token, or ``max_tokens`` ids and ``length`` when that does not fit."""
+    k = 3 + len(prompt) % 5
+    body = [100 + (sum(prompt) + 7 * i) % 900 for i in range(k)]
+    if k + 1 <= max_tokens:
+        return body + [STOP], "stop"
+    return body[:max_tokens], "length"
+
+
+class _FakeVLLM(BaseHTTPRequestHandler):
+    requests: list = []
+
+    def log_message(self, *a):
+        pass
+
+    def _send(self, body: str, code: int = 200, ctype: str = "application/json"):
+        data = body.encode()
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        if self.path == "/health":
+            return self._send("")
+        if self.path == "/v1/models":
+            return self._send(json.dumps({"object": "list", "data": [{"id": "target", "max_model_len": 2048}]}))
+        if self.path == "/metrics":
+            return self._send((FIX / "vllm_metrics_baseline.txt").read_text(), ctype="text/plain")
+        self._send('{"detail":"Not Found"}', 404)
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).requests.append(body)
+        ids, finish = rule_reply(body["prompt"], int(body["max_tokens"]))
+        self._send(json.dumps({"object": "text_completion", "model": body["model"], "choices": [
+            {"index": 0, "text": "", "finish_reason": finish, "token_ids": ids}],
+            "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": len(ids)}}))
+
+
+@pytest.fixture()
+def fake_vllm():
+    _FakeVLLM.requests = []
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _FakeVLLM)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}", _FakeVLLM.requests
+    srv.shutdown()
+    srv.server_close()
+
+
+def _cfg(tiny_target_dir, tmp_path, url, **engine_kw):
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in CHATS))
+    return ExtractConfig(
+        model=ModelConfig(name="tiny", source=str(tiny_target_dir)),
+        engine=VLLMEngineConfig(url=url, capture_device="cpu", concurrency=2, max_retries=1, backoff_s=0.01, **engine_kw),
+        data=DataConfig(name="chats", source="jsonl", path=str(data), validation_fraction=0.0, test_fraction=0.0),
+        sampling=SamplingConfig(max_new_tokens=6),
+        capture=CaptureConfig(top_k=4, max_length=128, max_turns=None),
+        output_dir=str(tmp_path / "out"),
+        cache_dir=str(tmp_path / "cache"),
+    )
+
+
+def test_replies_are_the_servers_and_features_the_in_process_capture_of_them(tiny_target_dir, tmp_path, fake_vllm):
+    from eagle3.engines.hf.engine import HFEngine
+
+    url, requests = fake_vllm
+    summary = run_extract(_cfg(tiny_target_dir, tmp_path, url))
+    assert summary["samples"] == 4
+
+    # every request: the rendered prompt as ids, greedy, the stop token named, token ids asked for
+    assert len(requests) == 5  # 4 first turns + the second turn of the two-turn chat
+    for b in requests:
+        assert b["return_token_ids"] is True and b["stop_token_ids"] == [STOP]
+        assert b["temperature"] == 0.0 and b["max_tokens"] == 6 and b["model"] == "target" and "seed" not in b
+    second = [b for b in requests if any(b["prompt"][:len(a["prompt"])] == a["prompt"] and a is not b for a in requests)]
+    assert len(second) == 1  # the second turn's prompt starts with the first turn's prompt and reply
+    first = next(a for a in requests if second[0]["prompt"][:len(a["prompt"])] == a["prompt"] and a is not second[0])
+    r1, _ = rule_reply(first["prompt"], 6)
+    assert second[0]["prompt"][len(first["prompt"]):len(first["prompt"]) + len(r1)] == r1
+
+    m = features.load_manifest(tmp_path / "out")
+    eng = m["metadata"]["engine"]
+    assert eng["name"] == "vllm" and eng["capture"]["name"] == "hf" and eng["generation"]["max_model_len"] == 2048
+    capture = HFEngine.from_config(ModelConfig(name="tiny", source=str(tiny_target_dir)), HFEngineConfig(device="cpu"),
+                                   str(tmp_path / "cache"))
+    prompts = {tuple(b["prompt"]) for b in requests}
+    checked = 0
+    for s in m["shards"]:
+        t = load_file(str(tmp_path / "out" / s["file"]))
+        off = t["offsets"].tolist()
+        for a, b in zip(off, off[1:]):
+            ids = t["input_ids"][a:b].tolist()
+            mask = t["loss_mask"][a:b].tolist()
+            # the loss-masked (generated) runs are the fake's replies to the prompts in front of them
+            i = 0
+            while i < len(ids):
+                if mask[i]:
+                    j = i
+                    while j < len(ids) and mask[j]:
+                        j += 1
+                    assert tuple(ids[:i]) in prompts
+                    assert ids[i:j] == rule_reply(ids[:i], 6)[0]
+                    i = j
+                else:
+                    i += 1
+            # one sequence alone, unpadded: equal to bf16 rounding of the batched capture
+            ref = capture.capture([ids], 4)[0]
+            cos = torch.nn.functional.cosine_similarity(t["aux_hidden_states"][a:b].float(),
+                                                        ref.aux_hidden_states.float(), dim=-1)
+            assert cos.min() > 0.999
+            top1 = (t["topk_ids"][a:b, 0].long() == ref.topk_ids[:, 0].long()).float().mean()
+            assert top1 > 0.9
+            checked += 1
+    assert checked == 4
+
+
+def test_reply_contract_stop_token_and_length():
+    assert reply_ids([5, 6, STOP], "stop", [STOP], 6) == [5, 6, STOP]
+    assert reply_ids([5, 6], "stop", [STOP], 6) == [5, 6, STOP]  # a server that leaves the stop token out
+    assert reply_ids([5, 6, 7], "length", [STOP], 3) == [5, 6, 7]
+    with pytest.raises(Eagle3Error, match="max_model_len"):
+        reply_ids([5], "length", [STOP], 3)
+    with pytest.raises(Eagle3Error, match="4 tokens for max_tokens=3"):
+        reply_ids([5, 6, 7, 8], "length", [STOP], 3)
+
+
+def test_no_server_and_two_urls_are_clear_errors(tiny_target_dir, tmp_path):
+    with pytest.raises(Eagle3Error, match="no vLLM server answers /health"):
+        run_extract(_cfg(tiny_target_dir, tmp_path, "http://127.0.0.1:9", connect_timeout_s=0.5))
+    cfg = _cfg(tiny_target_dir, tmp_path, None, baseline_url="http://127.0.0.1:9")
+    with pytest.raises(Eagle3Error, match="engine.url=http://HOST:PORT"):
+        run_extract(cfg)
+
+
+def test_a_server_serving_another_model_name_is_named(tiny_target_dir, tmp_path, fake_vllm):
+    url, _ = fake_vllm
+    with pytest.raises(Eagle3Error, match=r"serves \['target'\].*engine.served_model_name=target"):
+        run_extract(_cfg(tiny_target_dir, tmp_path, url, served_model_name="smol"))
