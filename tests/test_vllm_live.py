@@ -1,11 +1,15 @@
 """engine=vllm against real vLLM servers (slow: two servers start, 2-4 minutes each on a CPU).
 
 Skipped unless ``EAGLE3_VLLM_PYTHON`` names the python of a vLLM installation. The target
-is the W4A16 SmolLM2-135M-Instruct built by ``eagle3.target.resolve_target``; the
-drafter is an untrained one exported for vLLM (its acceptance is whatever it is: the
-test checks that the counters come back and add up, and that speculative greedy output
-equals the baseline's, which holds for any drafter). ``EAGLE3_VLLM_PORT`` (default 8180)
-and the next port are used.
+is the W4A16 SmolLM2-135M-Instruct built by ``eagle3.target.resolve_target``, served with
+vLLM's real INT4 kernel. The whole pipeline runs on a few prompts: ``extract.py
+engine=vllm`` takes the replies from the baseline server (the INT4 kernel picks every
+token) and captures their features in process; ``train.py`` overfits a drafter on them;
+its ``export/vllm`` is served by a second server. Checked: the served tau on those prompts
+is at least 3.0 at 3 draft tokens (a drafter fed the wrong aux layers, e.g. an SGLang-
+convention export, does not get there), speculative greedy output equals the baseline's,
+and the ``/metrics`` counters add up. ``EAGLE3_VLLM_PORT`` (default 8180) and the next
+port are used.
 """
 
 from __future__ import annotations
@@ -14,12 +18,10 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
 from eagle3.config import VLLMEngineConfig
 from eagle3.engines.vllm import spec_counters, speculative_config, start_vllm
-from eagle3.export import export_vllm, read_vllm_export
-from eagle3.train.drafter import DrafterArch, Eagle3Drafter
+from eagle3.export import read_vllm_export
 
 PY = os.environ.get("EAGLE3_VLLM_PYTHON")
 pytestmark = [
@@ -28,7 +30,6 @@ pytestmark = [
 ]
 ROOT = Path(__file__).resolve().parents[1]
 PORT = int(os.environ.get("EAGLE3_VLLM_PORT", "8180"))
-PROMPTS = ["What is 2+2? Answer briefly.", "Name three colours.", "Write a haiku about rain."]
 
 
 @pytest.fixture(scope="module")
@@ -44,39 +45,66 @@ def target():
     return info, load_tokenizer(cfg.model, cache, info)
 
 
-def _drafter_export(info, out):
-    torch.manual_seed(0)
-    arch = DrafterArch(hidden_size=info.hidden_size, num_attention_heads=info.num_attention_heads,
-                       num_key_value_heads=info.num_key_value_heads, head_dim=info.head_dim,
-                       intermediate_size=info.intermediate_size, num_layers=1, target_hidden_size=info.hidden_size,
-                       vocab_size=info.vocab_size, draft_vocab_size=info.vocab_size)
-    d = Eagle3Drafter(arch)
-    d.set_draft_vocab(torch.zeros(info.vocab_size, dtype=torch.int64), torch.ones(info.vocab_size, dtype=torch.bool))
-    meta = {"target": {"name": info.name, "architecture": info.architecture}, "aux_layer_ids": info.aux_layer_ids}
-    return export_vllm(d.eval(), out, meta)
+OVERFIT_PROMPTS = ["What is 2+2? Answer briefly.", "Name three colours.", "Write a haiku about rain.",
+                   "What is the capital of France?", "Give one tip for sleeping well.", "Say hello in Spanish."]
+MAX_NEW = 48
 
 
-def test_speculative_greedy_equals_baseline_and_counters_add_up(tmp_path, target):
+def _compose(stage: str, overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+
+    from eagle3.cli import to_typed
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return to_typed(compose(config_name=stage, overrides=overrides))
+
+
+def _overfit_drafter(tmp_path, base_url: str) -> Path:
+    """extract (replies from the server at ``base_url``) and train (overfit) on OVERFIT_PROMPTS;
+    returns the ``export/vllm`` folder."""
+    import json
+
+    from eagle3.extract.run import run_extract
+    from eagle3.train.run import run_train
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}]}) + "\n" for q in OVERFIT_PROMPTS))
+    common = ["model=smollm2-135m-int4", "data=jsonl", f"cache_dir={ROOT / 'data' / 'models'}"]
+    run_extract(_compose("extract", common + [
+        "engine=vllm", f"engine.url={base_url}", "engine.capture_device=cpu", f"data.path={data}",
+        "data.validation_fraction=0", "data.test_fraction=0", f"sampling.max_new_tokens={MAX_NEW}",
+        f"output_dir={tmp_path / 'features'}"]))
+    run_train(_compose("train", common + [
+        "drafter=ttt3", "device=cpu", "loop.epochs=400", "loop.save_every=100000", "loop.tracker=none",
+        "loop.log_every=50", "optim.lr=3e-3", "export.speculators=false",
+        f"features_dir={tmp_path / 'features'}", f"output_dir={tmp_path / 'drafter'}"]))
+    return tmp_path / "drafter" / "export" / "vllm"
+
+
+def test_an_overfit_drafter_served_reaches_tau_3_losslessly_and_counters_add_up(tmp_path, target):
     from eagle3.engines.vllm import VLLMClient
     from eagle3.target import render_prompt
 
     info, tok = target
-    export = _drafter_export(info, tmp_path / "export" / "vllm")
-    assert read_vllm_export(export).written_aux_ids == info.aux_layer_ids
     e = VLLMEngineConfig(python=PY, port=PORT, max_num_seqs=4, launch_timeout_s=1200)
     started = []
     try:
-        for i, spec in enumerate((None, speculative_config(str(export.resolve()), 3))):  # both start at once
-            proc, _ = start_vllm(e, model_path=str(info.path), dtype="bfloat16", seed=0, port=PORT + i,
-                                 run_dir=tmp_path, name=f"s{i}", speculative=spec)
-            started.append(proc)
-        for proc in started:
-            proc.wait_healthy(e.launch_timeout_s, e.health_poll_s)
+        proc, _ = start_vllm(e, model_path=str(info.path), dtype="bfloat16", seed=0, port=PORT, run_dir=tmp_path,
+                             name="s0")
+        started.append(proc)
+        proc.wait_healthy(e.launch_timeout_s, e.health_poll_s)
+        export = _overfit_drafter(tmp_path, proc.url)
+        assert read_vllm_export(export).written_aux_ids == info.aux_layer_ids
+        proc, _ = start_vllm(e, model_path=str(info.path), dtype="bfloat16", seed=0, port=PORT + 1, run_dir=tmp_path,
+                             name="s1", speculative=speculative_config(str(export.resolve()), 3))
+        started.append(proc)
+        proc.wait_healthy(e.launch_timeout_s, e.health_poll_s)
         base, spec = (VLLMClient(p.url) for p in started)
         assert not spec_counters(base.metrics_text()).present
-        for text in PROMPTS:
+        drafts = accepted = 0
+        for text in OVERFIT_PROMPTS:
             body = {"model": e.served_model_name, "prompt": render_prompt(tok, [{"role": "user", "content": text}]),
-                    "max_tokens": 32, "temperature": 0.0, "stop_token_ids": [tok.eos_token_id]}
+                    "max_tokens": MAX_NEW, "temperature": 0.0, "stop_token_ids": [tok.eos_token_id]}
             a = base.complete(body)
             before = spec_counters(spec.metrics_text())
             b = spec.complete(body)
@@ -88,6 +116,11 @@ def test_speculative_greedy_equals_baseline_and_counters_add_up(tmp_path, target
             # one token from the prefill, then 1 + accepted per verify pass (max_tokens may cut the last one short)
             assert b.completion_tokens <= 1 + delta.drafts + delta.accepted
             assert b.completion_tokens >= delta.drafts
+            drafts += delta.drafts
+            accepted += delta.accepted
+        tau = 1 + accepted / drafts
+        print(f"\nserved tau of the overfit drafter: {tau:.2f} over {drafts} verify passes")
+        assert tau >= 3.0
     finally:
         for p in started:
             p.stop()
