@@ -19,13 +19,36 @@ def to_typed(cfg: DictConfig) -> Any:
     return OmegaConf.to_object(cfg)
 
 
+class Terminated(SystemExit):
+    """Raised in the main thread on SIGTERM (``timeout``, a job scheduler, ``kill``), so that
+    every ``finally`` runs: the servers a stage launched are stopped, partial files are
+    left as their atomic writes left them. Exit code 143 (128 + SIGTERM), as the signal's own."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise Terminated(128 + signum)
+
+
 def run_stage(fn: Callable[[Any], Any], cfg: DictConfig) -> Any:
-    """Run one stage; an :class:`Eagle3Error` becomes one line on stderr and exit code 2."""
+    """Run one stage; an :class:`Eagle3Error` becomes one line on stderr and exit code 2;
+    SIGTERM becomes :class:`Terminated` (clean-up runs, exit code 143)."""
+    import signal
+    import threading
+
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         return fn(to_typed(cfg))
     except Eagle3Error as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except Terminated:
+        print("terminated (SIGTERM): stopped what this stage started", file=sys.stderr)
+        raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def config_groups(conf_dir: Path, config_name: str) -> list[str]:

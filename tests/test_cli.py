@@ -73,3 +73,49 @@ def test_an_output_dir_that_is_a_file_is_one_line_and_exit_code_2(script, tmp_pa
     assert r.stderr == (f"error: output_dir={f} is an existing file, not a folder; pass output_dir= a folder path, "
                         "or move that file away\n")
     assert f.read_text() == "{}"
+
+
+STAGE_WITH_A_SERVER = """
+import sys, time
+from pathlib import Path
+from omegaconf import OmegaConf
+from eagle3.cli import run_stage
+from eagle3.engines.sglang.launch import LaunchedServer
+
+out = Path(sys.argv[1])
+def stage(cfg):
+    server = LaunchedServer([sys.executable, "-c", "import time; time.sleep(600)"], out / "server.log", "http://127.0.0.1:9")
+    server.start()
+    try:
+        (out / "pid").write_text(str(server.proc.pid))
+        time.sleep(600)
+    finally:
+        server.stop()
+run_stage(stage, OmegaConf.create({}))
+"""
+
+
+def test_sigterm_stops_the_servers_a_stage_launched_and_exits_143(tmp_path):
+    import os
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", STAGE_WITH_A_SERVER, str(tmp_path)], cwd=ROOT, stderr=subprocess.PIPE)
+    deadline = time.time() + 60
+    while not (tmp_path / "pid").exists() and time.time() < deadline:
+        time.sleep(0.1)
+    server_pid = int((tmp_path / "pid").read_text())
+    os.kill(server_pid, 0)  # the server runs, in its own session (a plain SIGTERM to the stage would miss it)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err.decode()
+    assert b"terminated (SIGTERM)" in err
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        try:
+            os.kill(server_pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"the launched server (pid {server_pid}) survived its stage's SIGTERM")
