@@ -104,7 +104,8 @@ class VLLMEngineConfig:
     name: str = "vllm"
     url: Optional[str] = None  # extraction only: the generation server (no drafter); None = launch one
     concurrency: int = 16  # extraction: generation requests in flight
-    capture_device: str = "auto"  # extraction: where the hf engine captures features on the served replies
+    capture: str = "server"  # extraction: server (vLLM's extract_hidden_states: the serving numerics) | hf (in process)
+    capture_device: str = "auto"  # extraction with capture=hf: where the hf engine runs
     baseline_url: Optional[str] = None  # server without a drafter
     speculative_url: Optional[str] = None  # server serving the drafter
     host: str = "127.0.0.1"

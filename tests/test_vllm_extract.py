@@ -95,7 +95,8 @@ def _cfg(tiny_target_dir, tmp_path, url, **engine_kw):
     data.write_text("".join(json.dumps(r) + "\n" for r in CHATS))
     return ExtractConfig(
         model=ModelConfig(name="tiny", source=str(tiny_target_dir)),
-        engine=VLLMEngineConfig(url=url, capture_device="cpu", concurrency=2, max_retries=1, backoff_s=0.01, **engine_kw),
+        engine=VLLMEngineConfig(url=url, capture="hf", capture_device="cpu", concurrency=2, max_retries=1, backoff_s=0.01,
+                                **engine_kw),
         data=DataConfig(name="chats", source="jsonl", path=str(data), validation_fraction=0.0, test_fraction=0.0),
         sampling=SamplingConfig(max_new_tokens=6),
         capture=CaptureConfig(top_k=4, max_length=128, max_turns=None),
@@ -180,3 +181,83 @@ def test_a_server_serving_another_model_name_is_named(tiny_target_dir, tmp_path,
     url, _ = fake_vllm
     with pytest.raises(Eagle3Error, match=r"serves \['target'\].*engine.served_model_name=target"):
         run_extract(_cfg(tiny_target_dir, tmp_path, url, served_model_name="smol"))
+
+
+# ------------------------------------------------------------------ capture on the server
+def _answer(seq, k, vocab=50, seed=0):
+    """A capture answer shaped like vLLM 0.32's: prompt_logprobs (None first, then per
+    position a dict id -> {logprob, rank} with the k best and the actual token), and the
+    generated token's top_logprobs keyed "token_id:N"; plus the dense log-probs it came from."""
+    g = torch.Generator().manual_seed(seed)
+    logp = torch.log_softmax(torch.randn(len(seq), vocab, generator=g), -1)
+    prompt_lp = [None]
+    for t in range(1, len(seq)):
+        row = logp[t - 1]
+        order = sorted(range(vocab), key=lambda i: (-row[i].item(), i))
+        entry = {str(i): {"logprob": row[i].item(), "rank": r + 1} for r, i in enumerate(order[:k])}
+        actual = seq[t]
+        entry.setdefault(str(actual), {"logprob": row[actual].item(), "rank": order.index(actual) + 1})
+        prompt_lp.append(entry)
+    last = logp[len(seq) - 1]
+    order = sorted(range(vocab), key=lambda i: (-last[i].item(), i))
+    top = {f"token_id:{i}": last[i].item() for i in order[:k]}
+    answer = {"choices": [{"token_ids": [order[0]], "prompt_logprobs": prompt_lp,
+                           "logprobs": {"top_logprobs": [top], "tokens": [f"token_id:{order[0]}"]}}],
+              "kv_transfer_params": {"hidden_states_path": None}}
+    return answer, logp
+
+
+def test_server_capture_answer_parses_to_the_dense_top_k_at_every_position():
+    from eagle3.engines.vllm.capture import parse_capture
+
+    seq, k = [5, 9, 3, 3, 17, 2], 4
+    answer, logp = _answer(seq, k)
+    hs = torch.randn(len(seq), 3, 8).to(torch.bfloat16)
+    cap = parse_capture(answer, seq, {"hidden_states": hs, "token_ids": torch.tensor(seq)}, k, 3, 8)
+    assert torch.equal(cap.aux_hidden_states, hs)
+    ref_lp, ref_ids = logp.topk(k, dim=-1)  # position t: the distribution of token t + 1
+    assert torch.equal(cap.topk_ids, ref_ids.to(torch.int32))
+    assert torch.allclose(cap.topk_logprobs, ref_lp, atol=1e-6)
+    assert cap.topk_ids.dtype == torch.int32 and cap.topk_logprobs.dtype == torch.float32
+
+
+def test_server_capture_refuses_other_tokens_shapes_and_missing_logprobs():
+    from eagle3.engines.vllm.capture import parse_capture, read_hidden_states
+
+    seq, k = [5, 9, 3], 2
+    answer, _ = _answer(seq, k)
+    ok = {"hidden_states": torch.zeros(3, 3, 8), "token_ids": torch.tensor(seq)}
+    with pytest.raises(Eagle3Error, match="other tokens"):
+        parse_capture(answer, seq, dict(ok, token_ids=torch.tensor([5, 9, 4])), k, 3, 8)
+    with pytest.raises(Eagle3Error, match=r"expected \[3, 3, 8\]"):
+        parse_capture(answer, seq, dict(ok, hidden_states=torch.zeros(3, 2, 8)), k, 3, 8)
+    del answer["choices"][0]["prompt_logprobs"]
+    with pytest.raises(Eagle3Error, match="--max-logprobs 2"):
+        parse_capture(answer, seq, ok, k, 3, 8)
+    with pytest.raises(Eagle3Error, match="no hidden_states_path"):
+        read_hidden_states({"choices": []})
+
+
+def test_a_written_hidden_states_file_is_read_after_its_lock_and_removed(tmp_path):
+    from safetensors.torch import save_file
+
+    from eagle3.engines.vllm.capture import read_hidden_states
+
+    path = tmp_path / "req-1.safetensors"
+    save_file({"hidden_states": torch.ones(2, 3, 4), "token_ids": torch.tensor([1, 2])}, str(path))
+    (tmp_path / "req-1.safetensors.lock").write_text("")
+    got = read_hidden_states({"kv_transfer_params": {"hidden_states_path": str(path)}})
+    assert got["token_ids"].tolist() == [1, 2] and got["hidden_states"].shape == (2, 3, 4)
+    assert not path.exists() and not (tmp_path / "req-1.safetensors.lock").exists()
+
+
+def test_capture_server_launch_flags_name_the_aux_ids_and_the_cpu_connector(tmp_path):
+    from eagle3.engines.vllm.capture import PLUGIN_DIR, capture_speculative_config, kv_transfer_config
+
+    spec = capture_speculative_config([2, 15, 27])
+    assert spec["method"] == "extract_hidden_states" and spec["num_speculative_tokens"] == 1
+    assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+    cpu = kv_transfer_config(tmp_path, "cpu")
+    assert cpu["kv_connector"] == "CPUHiddenStatesConnector" and cpu["kv_role"] == "kv_producer"
+    assert (PLUGIN_DIR / f"{cpu['kv_connector_module_path']}.py").is_file()
+    assert kv_transfer_config(tmp_path, "cuda")["kv_connector"] == "ExampleHiddenStatesConnector"

@@ -1,13 +1,16 @@
 """``extract.py engine=vllm``: the replies come from a vLLM server, so the serving numerics
 (on a CPU build, vLLM's real INT4 kernel ``cpu_gemm_wna16`` for a W4A16 target) pick every
-training token; the aux hidden states and next-token distributions of those tokens are
-captured in this process by the ``hf`` engine, teacher-forced on the same ids.
+training token. The aux hidden states and next-token distributions of those tokens come
+from one of two places (``engine.capture``):
 
-Why split: greedy replies of two numerics part within a few dozen tokens (vLLM's INT4
-kernel and the dequantized weights agree on 93% of next tokens, docs/precision-study.md),
-and a drafter is scored on the text the server writes. The captured features are those of
-the dequantized path (cosine near 1 to the kernel's on the same tokens); capturing them
-from the kernel itself (vLLM's ``extract_hidden_states`` method) is not done here. The
+- ``server``: the same server, through vLLM's ``extract_hidden_states`` method
+  (:mod:`eagle3.engines.vllm.capture`): features from the serving numerics themselves;
+- ``hf``: this process, teacher-forced on the same ids by the ``hf`` engine (for a W4A16
+  target that is the dequantized weights, which agree with vLLM's INT4 kernel on 93% of
+  next tokens, docs/precision-study.md).
+
+Why the replies come from the server either way: greedy replies of two numerics part
+within a few dozen tokens, and a drafter is scored on the text the server writes. The
 manifest records both halves (``info()["generation"]`` and ``info()["capture"]``).
 """
 
@@ -75,34 +78,44 @@ class VLLMEngine(Engine):
         launch_command: its argv (recorded in :meth:`info` without host and port).
     """
 
-    def __init__(self, client: VLLMClient, settings: dict, engine_cfg: Any, capture: Engine,
-                 launched: Optional[VLLMServer] = None, launch_command: Optional[list[str]] = None):
+    def __init__(self, client: VLLMClient, settings: dict, engine_cfg: Any, capture: Optional[Engine],
+                 launched: Optional[VLLMServer] = None, launch_command: Optional[list[str]] = None,
+                 stop_ids: Optional[list[int]] = None, target_dims: Optional[tuple[list[int], int]] = None):
         self.client = client
         self.settings = settings
         self.engine_cfg = engine_cfg
-        self.capture_engine = capture
+        self.capture_engine = capture  # None: capture on the server
         self.launched = launched
         self.launch_command = launch_command
-        self.stop_ids = list(getattr(capture, "stop_ids", []))
+        self.stop_ids = list(stop_ids if stop_ids is not None else getattr(capture, "stop_ids", []))
+        self.target_dims = target_dims  # (aux layer ids, hidden size) for server capture
         if not self.stop_ids:
-            raise Eagle3Error("the capture engine knows no end-of-turn token ids for this target's tokenizer")
+            raise Eagle3Error("no end-of-turn token ids are known for this target's tokenizer")
 
     @classmethod
     def from_config(cls, model_cfg: Any, engine_cfg: Any, cache_dir: str | os.PathLike,
                     run_dir: str | os.PathLike) -> "VLLMEngine":
         """Connect to ``engine.url`` or launch ``<engine.python> -m vllm.entrypoints.openai.api_server``
-        on the target's built folder (no drafter; log ``<run_dir>/vllm-generate.log``),
-        then load the target in this process for capture (``engine.capture_device``).
+        on the target's built folder (no drafter; log ``<run_dir>/vllm-generate.log``). With
+        ``engine.capture=server`` the launched server is a capture server
+        (:func:`_capture_launch`; a connected one must be); with ``hf`` the target is also
+        loaded in this process (``engine.capture_device``).
 
         Raises:
-            Eagle3Error: the server not reachable / not serving ``engine.served_model_name``,
-                a launch that fails (the log's last lines), or what the hf engine raises.
+            Eagle3Error: an unknown ``engine.capture``; the server not reachable, not serving
+                ``engine.served_model_name`` or (``capture=server``) not capturing; a launch
+                that fails (the log's last lines), or what the hf engine raises.
         """
         from eagle3.config import HFEngineConfig
         from eagle3.engines.hf.engine import HFEngine
-        from eagle3.target import resolve_target
+        from eagle3.target import end_of_turn_ids, load_tokenizer, resolve_target
 
+        if str(engine_cfg.capture) not in ("hf", "server"):
+            raise Eagle3Error(f"engine.capture={engine_cfg.capture} is unknown; use engine.capture=server (vLLM's "
+                              "extract_hidden_states: the serving numerics) or engine.capture=hf (in this process)")
+        on_server = str(engine_cfg.capture) == "server"
         launched, cmd = None, None
+        target = resolve_target(model_cfg, cache_dir)
         if engine_cfg.baseline_url or engine_cfg.speculative_url:
             raise Eagle3Error("extraction uses one generation server: pass engine.url=http://HOST:PORT (a vLLM server "
                               "without a drafter), not engine.baseline_url / engine.speculative_url")
@@ -114,9 +127,9 @@ class VLLMEngine(Engine):
                                   "vllm.entrypoints.openai.api_server --model TARGET ...) or leave engine.url unset "
                                   "to launch one here with engine.python")
         else:
-            info = resolve_target(model_cfg, cache_dir)
-            launched, cmd, waited = launch_vllm(engine_cfg, model_path=str(info.path), dtype=str(model_cfg.dtype),
-                                                seed=0, port=int(engine_cfg.port), run_dir=run_dir, name="generate")
+            launched, cmd, waited = launch_vllm(engine_cfg, model_path=str(target.path), dtype=str(model_cfg.dtype),
+                                                seed=0, port=int(engine_cfg.port), run_dir=run_dir, name="generate",
+                                                **(_capture_launch(engine_cfg, target, run_dir) if on_server else {}))
             log.info("vLLM generation server up after %.0f s", waited)
             client = VLLMClient(launched.url, engine_cfg.request_timeout_s, engine_cfg.max_retries, engine_cfg.backoff_s)
         try:
@@ -125,9 +138,18 @@ class VLLMEngine(Engine):
             if engine_cfg.served_model_name not in served:
                 raise Eagle3Error(f"the vLLM server at {client.url} serves {served}, not engine.served_model_name="
                                   f"{engine_cfg.served_model_name!r}; pass engine.served_model_name={served[0] if served else '...'}")
-            if settings.get("speculative_config"):
+            if (settings.get("speculative_config") or {}).get("method", "extract_hidden_states") != "extract_hidden_states":
                 log.warning("the vLLM generation server at %s serves a drafter; greedy replies are the same, but "
                             "sampled ones (T > 0) may not be: use a server without one", client.url)
+            if on_server:
+                if not (settings.get("speculative_config") or {}).get("method", "extract_hidden_states") == \
+                        "extract_hidden_states":
+                    raise Eagle3Error(f"the vLLM server at {client.url} is not a capture server (its speculative method "
+                                      "is not extract_hidden_states); launch it as docs/sglang.md says or leave "
+                                      "engine.url unset")
+                tok = load_tokenizer(model_cfg, cache_dir, target)
+                return cls(client, settings, engine_cfg, None, launched, cmd, stop_ids=end_of_turn_ids(tok),
+                           target_dims=(list(target.aux_layer_ids), int(target.hidden_size)))
             capture = HFEngine.from_config(model_cfg, HFEngineConfig(device=str(engine_cfg.capture_device)), cache_dir)
         except BaseException:
             if launched is not None:
@@ -147,9 +169,13 @@ class VLLMEngine(Engine):
                 continue
             flags.append(argv[i])
             i += 1
+        flags = [f for f in flags if "shared_storage_path" not in f] + (
+            ["--kv-transfer-config <hidden-states connector>"] if any("shared_storage_path" in f for f in flags) else [])
         gen = {k: self.settings.get(k) for k in ("dtype", "quantization", "max_model_len", "seed")}
         gen["launch_flags"] = flags
-        return {"name": "vllm", "generation": gen, "capture": self.capture_engine.info()}
+        capture = (self.capture_engine.info() if self.capture_engine is not None else
+                   {"name": "vllm", "method": "extract_hidden_states", "aux_layer_ids": self.target_dims[0]})
+        return {"name": "vllm", "generation": gen, "capture": capture}
 
     def generate(self, prompts: list[list[int]], sampling: Any) -> list[list[int]]:
         """Rendered prompt ids -> generated ids in order (stop token included), with at most
@@ -179,12 +205,54 @@ class VLLMEngine(Engine):
         return out  # type: ignore[return-value]
 
     def capture(self, sequences: list[list[int]], top_k: int) -> list[Capture]:
-        """Teacher-forced capture by the in-process engine (:meth:`HFEngine.capture`)."""
-        return self.capture_engine.capture(sequences, top_k)
+        """Per sequence a :class:`Capture` (aux ``[T, 3, H]`` bf16, top-k ids ``[T, k]``
+        int32, log-probs ``[T, k]`` float32): from the server's ``extract_hidden_states``
+        (``engine.capture=server``, ``engine.concurrency`` requests in flight) or
+        teacher-forced in process (``hf``).
+
+        Raises:
+            Eagle3Error: an answer without a hidden-states file or log-probs, or a file of
+                another shape (:func:`eagle3.engines.vllm.capture.parse_capture`).
+        """
+        if self.capture_engine is not None:
+            return self.capture_engine.capture(sequences, top_k)
+        from eagle3.engines.vllm.capture import capture_request, parse_capture, read_hidden_states
+
+        aux, hidden = self.target_dims
+
+        def one(seq: list[int]) -> Capture:
+            if not seq:
+                raise Eagle3Error("cannot capture an empty sequence")
+            body = capture_request(self.engine_cfg.served_model_name, seq, top_k)
+            answer = self.client.request("POST", "/v1/completions", body)
+            return parse_capture(answer, seq, read_hidden_states(answer), top_k, len(aux), hidden)
+
+        with ThreadPoolExecutor(max_workers=max(1, int(self.engine_cfg.concurrency))) as pool:
+            return list(pool.map(one, sequences))
 
     def close(self) -> None:
         """Stop the server launched here (a connected one keeps running) and free the capture model."""
         if self.launched is not None:
             self.launched.stop()
             self.launched = None
-        self.capture_engine.close()
+        if self.capture_engine is not None:
+            self.capture_engine.close()
+
+
+def _capture_launch(engine_cfg: Any, target: Any, run_dir: str | os.PathLike) -> dict:
+    """``launch_vllm`` keywords of a capture server: ``extract_hidden_states`` for the
+    target's aux layer ids, the hidden-states connector writing under
+    ``<run_dir>/hidden_states`` (the CPU one, on ``PYTHONPATH``, on a CPU build) and
+    ``--max-logprobs 64`` (top-k up to 64)."""
+    import json
+    from pathlib import Path
+
+    from eagle3.engines.vllm.capture import PLUGIN_DIR, capture_speculative_config, kv_transfer_config
+    from eagle3.engines.vllm.launch import vllm_device
+
+    storage = (Path(run_dir) / "hidden_states").resolve()
+    storage.mkdir(parents=True, exist_ok=True)
+    device = vllm_device(str(engine_cfg.python), str(engine_cfg.device))
+    return {"speculative": capture_speculative_config(list(target.aux_layer_ids)),
+            "extra_args": ["--max-logprobs", "64", "--kv-transfer-config", json.dumps(kv_transfer_config(storage, device))],
+            "extra_env": {"PYTHONPATH": str(PLUGIN_DIR)} if device == "cpu" else None}

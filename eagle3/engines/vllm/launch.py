@@ -19,7 +19,7 @@ import shlex
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from eagle3.engines.sglang.launch import LaunchedServer, _connect_host, _tail
 from eagle3.engines.vllm.client import VLLMClient
@@ -138,9 +138,12 @@ class VLLMServer(LaunchedServer):
 
 
 def start_vllm(engine_cfg: Any, *, model_path: str, dtype: str, seed: int, port: int, run_dir: str | os.PathLike,
-               name: str, speculative: Optional[dict] = None) -> tuple[VLLMServer, list[str]]:
+               name: str, speculative: Optional[dict] = None, extra_args: Sequence[str] = (),
+               extra_env: Optional[dict] = None) -> tuple[VLLMServer, list[str]]:
     """Render and start one server (not waiting); its log is ``<run_dir>/vllm-<name>.log``
-    and its command ``<run_dir>/vllm-<name>.cmd``.
+    and its command ``<run_dir>/vllm-<name>.cmd``. ``extra_args`` are appended to the
+    rendered flags, ``extra_env`` to its environment (``PYTHONPATH`` is prepended to the
+    inherited one).
 
     Raises:
         Eagle3Error: ``engine.python`` has no torch (:func:`vllm_device`).
@@ -148,12 +151,15 @@ def start_vllm(engine_cfg: Any, *, model_path: str, dtype: str, seed: int, port:
     python = str(engine_cfg.python)
     device = vllm_device(python, str(engine_cfg.device))
     cmd = render_vllm_command(engine_cfg, python=python, model_path=model_path, dtype=dtype, seed=seed, port=port,
-                              device=device, speculative=speculative)
+                              device=device, speculative=speculative) + [str(a) for a in extra_args]
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / f"vllm-{name}.cmd").write_text(shlex.join(cmd) + "\n")
     url = f"http://{_connect_host(str(engine_cfg.host))}:{int(port)}"
-    server = VLLMServer(cmd, run_dir / f"vllm-{name}.log", url, env=vllm_env(engine_cfg, device))
+    env = vllm_env(engine_cfg, device)
+    for k, v in (extra_env or {}).items():
+        env[k] = os.pathsep.join([str(v), env[k]]) if k == "PYTHONPATH" and env.get(k) else str(v)
+    server = VLLMServer(cmd, run_dir / f"vllm-{name}.log", url, env=env)
     log.info("starting vLLM (%s, %s build): %s", name, device, shlex.join(cmd))
     server.start()
     return server, cmd
