@@ -274,6 +274,58 @@ def test_capture_features_agree_with_the_hf_engine(capture_engine):
     assert min(res["cosine_mean"]) > 0.98 and res["top1_agreement"] > 0.9
 
 
+OVERFIT_PROMPTS = ["What is 2+2? Answer briefly.", "Name three colours.", "Write a haiku about rain.",
+                   "What is the capital of France?", "Give one tip for sleeping well.", "Say hello in Spanish."]
+
+
+def test_a_drafter_overfit_on_features_the_server_captured_reaches_tau_3_served(tmp_path):
+    """The pipeline on six prompts: ``extract.py engine=sglang`` (a capture server launched on
+    ``PORT + 3`` writes the replies and returns their aux hidden states), ``train.py``
+    overfits a drafter on them, and SGLang serves its ``export/sglang`` beside a baseline
+    (``PORT + 4``, ``+ 5``): served tau from ``meta_info`` at least 3.0 at 3/1/4 on those
+    prompts (an export in the other engine's aux-id convention does not get there)."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    from eagle3.cli import to_typed
+    from eagle3.evaluate.served_measures import summarize
+    from eagle3.evaluate.served_sweeps import interleave_batch1
+    from eagle3.evaluate.servers import open_server
+    from eagle3.extract.run import run_extract
+    from eagle3.target import load_tokenizer
+    from eagle3.train.run import run_train
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}]}) + "\n" for q in OVERFIT_PROMPTS))
+    sglang = ["engine=sglang", f"engine.python={PY}"] + (
+        [f"engine.env_script={os.environ['EAGLE3_SGLANG_ENV_SCRIPT']}"] if os.environ.get("EAGLE3_SGLANG_ENV_SCRIPT") else [])
+    common = ["model=smollm2-135m-bf16", f"cache_dir={ROOT / 'data' / 'models'}"]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        run_extract(to_typed(hydra_compose("extract", common + sglang + [
+            f"engine.port={PORT + 3}", "data=jsonl", f"data.path={data}", "data.validation_fraction=0",
+            "data.test_fraction=0", f"sampling.max_new_tokens={MAX_NEW + 16}", f"output_dir={tmp_path / 'features'}"])))
+        run_train(to_typed(hydra_compose("train", common + [
+            "data=jsonl", "drafter=ttt3", "device=cpu", "loop.epochs=400", "loop.save_every=100000", "loop.tracker=none",
+            "optim.lr=3e-3", "export.speculators=false", f"features_dir={tmp_path / 'features'}",
+            f"output_dir={tmp_path / 'drafter'}"])))
+        cfg = to_typed(hydra_compose("evaluate", common + sglang + [f"engine.port={PORT + 4}"]))
+    cfg.drafter_dir = str((tmp_path / "drafter" / "export" / "sglang").resolve())
+    tok = load_tokenizer(cfg.model, cfg.cache_dir)
+    rows = {"overfit": [{"id": f"o{i}", "messages": [{"role": "user", "content": q}]} for i, q in enumerate(OVERFIT_PROMPTS)]}
+    opened = {}
+    try:
+        for role in ("baseline", "speculative"):
+            opened[role] = open_server(role, cfg, tmp_path)
+        paired = interleave_batch1({r: s.client for r, s in opened.items()}, tok, rows,
+                                   {"max_new_tokens": MAX_NEW + 16, "temperature": 0.0, "top_p": 1.0}, warmup=0)
+    finally:
+        for s in opened.values():
+            s.stop()
+    spec = [r for _, recs in paired["overfit"] for r in recs]
+    tau = summarize(spec, 1.0, positions=3)["acceptance_length"]
+    print(f"\nSGLang served tau of the overfit drafter: {tau:.2f} over {sum(r.spec_verify_ct for r in spec)} verify passes")
+    assert tau >= 3.0
+
+
 def main(argv: list[str]) -> int:
     """``python tests/test_sglang_live.py FEATURES_DIR``: compare the features an
     ``engine=sglang`` extraction wrote with the hf engine's capture of the same tokens;
