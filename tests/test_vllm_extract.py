@@ -261,3 +261,15 @@ def test_capture_server_launch_flags_name_the_aux_ids_and_the_cpu_connector(tmp_
     assert cpu["kv_connector"] == "CPUHiddenStatesConnector" and cpu["kv_role"] == "kv_producer"
     assert (PLUGIN_DIR / f"{cpu['kv_connector_module_path']}.py").is_file()
     assert kv_transfer_config(tmp_path, "cuda")["kv_connector"] == "ExampleHiddenStatesConnector"
+
+
+def test_a_generation_requests_hidden_states_file_is_discarded(tmp_path):
+    from eagle3.engines.vllm.capture import discard_hidden_states
+
+    path = tmp_path / "gen-1.safetensors"
+    path.write_bytes(b"x")
+    (tmp_path / "gen-1.safetensors.lock").write_text("")
+    discard_hidden_states({"choices": [], "kv_transfer_params": {"hidden_states_path": str(path)}})
+    assert list(tmp_path.iterdir()) == []
+    discard_hidden_states({"choices": []})  # a plain server's answer: nothing to do
+    discard_hidden_states([{"choices": []}, {"kv_transfer_params": None}])

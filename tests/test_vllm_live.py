@@ -77,6 +77,8 @@ def _extract_from_the_server(tmp_path) -> Path:
         "engine=vllm", f"engine.python={PY}", f"engine.port={PORT + 2}", "engine.max_num_seqs=4",
         "engine.launch_timeout_s=1200", f"data.path={data}", "data.validation_fraction=0", "data.test_fraction=0",
         f"sampling.max_new_tokens={MAX_NEW}", f"output_dir={tmp_path / 'features'}"]))
+    # every file the connector wrote (generation requests' too) was read or discarded
+    assert [p.name for p in (tmp_path / "features" / "hidden_states").iterdir()] == []
     return tmp_path / "features"
 
 

@@ -151,3 +151,27 @@ def read_hidden_states(answer: dict, storage_dir: Optional[str | os.PathLike] = 
             except OSError:
                 pass
     return data
+
+
+def discard_hidden_states(answer: Any) -> None:
+    """Delete the hidden-states file a capture server wrote for a generation request (the
+    connector writes one for every request; only capture requests read theirs), after its
+    writer releases the ``.lock``. Answers without a file are ignored; ``answer`` is the
+    response body (a dict) or a streamed response's chunks (a list)."""
+    bodies = answer if isinstance(answer, list) else [answer]
+    for body in bodies:
+        path = ((body or {}).get("kv_transfer_params") or {}).get("hidden_states_path") if isinstance(body, dict) else None
+        if not path:
+            continue
+        lock = path + ".lock"
+        try:
+            if os.path.exists(lock):
+                with open(lock) as f:
+                    fcntl.flock(f, fcntl.LOCK_SH)
+        except OSError:
+            pass
+        for p in (path, lock):
+            try:
+                os.remove(p)
+            except OSError:
+                pass

@@ -190,9 +190,13 @@ class VLLMEngine(Engine):
         n = int(sampling.max_new_tokens)
         seed = int(getattr(sampling, "seed", 0) or 0)
 
+        from eagle3.engines.vllm.capture import discard_hidden_states
+
         def one(i: int) -> list[int]:
             body = completion_request(prompts[i], sampling, self.engine_cfg.served_model_name, self.stop_ids, seed + i)
             c = self.client.complete(body, stream=False)
+            if self.capture_engine is None:  # a capture server also wrote this request's prompt states: not needed
+                discard_hidden_states(c.raw)
             return reply_ids(c.output_ids, c.finish_reason, self.stop_ids, n)
 
         out: list[Optional[list[int]]] = [None] * len(prompts)
