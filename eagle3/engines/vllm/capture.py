@@ -135,22 +135,33 @@ def read_hidden_states(answer: dict, storage_dir: Optional[str | os.PathLike] = 
     if not path:
         raise Eagle3Error("the vLLM answer names no hidden_states_path; launch the server with "
                           "--speculative-config method extract_hidden_states and a hidden-states kv connector")
-    lock = path + ".lock"
     try:
-        if os.path.exists(lock):
-            with open(lock) as f:
-                fcntl.flock(f, fcntl.LOCK_SH)
+        _wait_for_writer(path)
         data = load_file(path, device="cpu")
     except OSError as e:
         raise Eagle3Error(f"cannot read the hidden states at {path} ({e}); the server's shared_storage_path"
                           f"{'' if storage_dir is None else f' ({storage_dir})'} must be on a disk this process sees") from None
     if not keep:
-        for p in (path, lock):
-            try:
-                os.remove(p)
-            except OSError:
-                pass
+        _remove(path)
     return data
+
+
+def _wait_for_writer(path: str) -> None:
+    """Block until the connector's writer releases ``path + ".lock"`` (a shared flock; no
+    lock file means the write is done). Raises OSError when the lock cannot be opened."""
+    lock = path + ".lock"
+    if os.path.exists(lock):
+        with open(lock) as f:
+            fcntl.flock(f, fcntl.LOCK_SH)
+
+
+def _remove(path: str) -> None:
+    """Delete a hidden-states file and its ``.lock`` (either may already be gone)."""
+    for p in (path, path + ".lock"):
+        try:
+            os.remove(p)
+        except OSError:
+            pass
 
 
 def discard_hidden_states(answer: Any) -> None:
@@ -163,15 +174,8 @@ def discard_hidden_states(answer: Any) -> None:
         path = ((body or {}).get("kv_transfer_params") or {}).get("hidden_states_path") if isinstance(body, dict) else None
         if not path:
             continue
-        lock = path + ".lock"
         try:
-            if os.path.exists(lock):
-                with open(lock) as f:
-                    fcntl.flock(f, fcntl.LOCK_SH)
+            _wait_for_writer(path)
         except OSError:
             pass
-        for p in (path, lock):
-            try:
-                os.remove(p)
-            except OSError:
-                pass
+        _remove(path)
