@@ -75,15 +75,7 @@ def test_an_output_dir_that_is_a_file_is_one_line_and_exit_code_2(script, tmp_pa
     assert f.read_text() == "{}"
 
 
-STAGE_WITH_A_SERVER = """
-import sys, time
-from pathlib import Path
-from omegaconf import OmegaConf
-from eagle3.cli import run_stage
-from eagle3.engines.sglang.launch import LaunchedServer
-
-out = Path(sys.argv[1])
-def stage(cfg):
+HOLD_A_SERVER = """
     server = LaunchedServer([sys.executable, "-c", "import time; time.sleep(600)"], out / "server.log", "http://127.0.0.1:9")
     server.start()
     try:
@@ -91,58 +83,56 @@ def stage(cfg):
         time.sleep(600)
     finally:
         server.stop()
-run_stage(stage, OmegaConf.create({}))
 """
+IMPORTS = "import sys, time\nfrom pathlib import Path\nfrom eagle3.engines.sglang.launch import LaunchedServer\n"
+# a stage (through run_stage) and a pytest test that each launch a server, then wait
+STAGE_WITH_A_SERVER = (IMPORTS + "from omegaconf import OmegaConf\nfrom eagle3.cli import run_stage\n"
+                       "out = Path(sys.argv[1])\ndef stage(cfg):" + HOLD_A_SERVER + "run_stage(stage, OmegaConf.create({}))\n")
+LIVE_TEST_WITH_A_SERVER = IMPORTS + "def test_holds_a_server():\n    out = Path(OUT)" + HOLD_A_SERVER
+
+
+def _server_pid(folder: Path, timeout_s: float) -> int:
+    """The pid the held server wrote to ``folder/pid`` (waits for it)."""
+    import time
+
+    deadline = time.time() + timeout_s
+    while not (folder / "pid").exists() and time.time() < deadline:
+        time.sleep(0.1)
+    return int((folder / "pid").read_text())
+
+
+def _gone(pid: int, timeout_s: float = 30.0) -> bool:
+    """Whether process ``pid`` ends within ``timeout_s``."""
+    import os
+    import time
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    return False
 
 
 def test_sigterm_stops_the_servers_a_stage_launched_and_exits_143(tmp_path):
     import os
     import signal
-    import time
 
     proc = subprocess.Popen([sys.executable, "-c", STAGE_WITH_A_SERVER, str(tmp_path)], cwd=ROOT, stderr=subprocess.PIPE)
-    deadline = time.time() + 60
-    while not (tmp_path / "pid").exists() and time.time() < deadline:
-        time.sleep(0.1)
-    server_pid = int((tmp_path / "pid").read_text())
+    server_pid = _server_pid(tmp_path, 60)
     os.kill(server_pid, 0)  # the server runs, in its own session (a plain SIGTERM to the stage would miss it)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 143, err.decode()
     assert b"terminated (SIGTERM)" in err
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        try:
-            os.kill(server_pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.2)
-    else:
-        pytest.fail(f"the launched server (pid {server_pid}) survived its stage's SIGTERM")
-
-
-LIVE_TEST_WITH_A_SERVER = """
-import sys, time
-from pathlib import Path
-from eagle3.engines.sglang.launch import LaunchedServer
-
-def test_holds_a_server(tmp_path):
-    out = Path(OUT)
-    server = LaunchedServer([sys.executable, "-c", "import time; time.sleep(600)"], out / "server.log", "http://127.0.0.1:9")
-    server.start()
-    try:
-        (out / "pid").write_text(str(server.proc.pid))
-        time.sleep(600)
-    finally:
-        server.stop()
-"""
+    assert _gone(server_pid), f"the launched server (pid {server_pid}) survived its stage's SIGTERM"
 
 
 def test_sigterm_to_pytest_stops_the_servers_a_live_test_launched(tmp_path):
-    import os
     import shutil
     import signal
-    import time
 
     d = tmp_path / "t"
     d.mkdir()
@@ -150,17 +140,7 @@ def test_sigterm_to_pytest_stops_the_servers_a_live_test_launched(tmp_path):
     (d / "test_holds.py").write_text(f"OUT = {str(tmp_path)!r}\n" + LIVE_TEST_WITH_A_SERVER)
     proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(d)], cwd=d,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    deadline = time.time() + 120
-    while not (tmp_path / "pid").exists() and time.time() < deadline:
-        time.sleep(0.1)
-    server_pid = int((tmp_path / "pid").read_text())
+    server_pid = _server_pid(tmp_path, 120)
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=60)
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        try:
-            os.kill(server_pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.2)
-    pytest.fail(f"the server a test launched (pid {server_pid}) survived SIGTERM to pytest")
+    assert _gone(server_pid), f"the server a test launched (pid {server_pid}) survived SIGTERM to pytest"
