@@ -4,8 +4,6 @@ text, the launch command, read-back of effective settings, and the served measur
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,6 +24,7 @@ from eagle3.engines.vllm import (
     vllm_env,
 )
 from eagle3.errors import Eagle3Error
+from loopback_http import QuietHandler, serve
 from eagle3.evaluate.served_vllm_measure import Pair
 from eagle3.evaluate.served_vllm_results import bootstrap_median_ci, lossless, pair_summary, speedup_statement
 from eagle3.evaluate.served_vllm_servers import check_servers
@@ -309,7 +308,7 @@ def test_prometheus_parser_on_escaped_labels_and_special_values():
     assert len(parse_prometheus(text)) == 3
 
 
-class _Replay(BaseHTTPRequestHandler):
+class _Replay(QuietHandler):
     """Answers with the recorded files: GET /v1/models, /metrics, /server_info, /health; POST /v1/completions."""
 
     routes = {
@@ -320,37 +319,22 @@ class _Replay(BaseHTTPRequestHandler):
         "/health": ("text/plain", lambda: ""),
     }
 
-    def log_message(self, *a):  # quiet
-        pass
-
-    def _send(self, ctype: str, body: str, code: int = 200):
-        data = body.encode()
-        self.send_response(code)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
     def do_GET(self):
         if self.path in self.routes:
             ctype, fn = self.routes[self.path]
-            return self._send(ctype, fn())
-        self._send("application/json", '{"detail":"Not Found"}', 404)
+            return self.send_text(fn(), ctype=ctype)
+        self.send_text('{"detail":"Not Found"}', 404)
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         assert body["return_token_ids"] is True
-        self._send("application/json", (FIX / "vllm_completion_spec.json").read_text())
+        self.send_text((FIX / "vllm_completion_spec.json").read_text())
 
 
 @pytest.fixture()
 def replay():
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Replay)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    yield f"http://127.0.0.1:{srv.server_address[1]}"
-    srv.shutdown()
-    srv.server_close()
+    with serve(_Replay) as url:
+        yield url
 
 
 def test_effective_settings_read_back_from_recorded_answers(replay):

@@ -11,8 +11,6 @@ the same sequences.
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -24,6 +22,7 @@ from eagle3.config import CaptureConfig, DataConfig, ExtractConfig, HFEngineConf
 from eagle3.engines.vllm.engine import reply_ids
 from eagle3.errors import Eagle3Error
 from eagle3.extract.run import run_extract
+from loopback_http import QuietHandler, serve
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 FIX = Path(__file__).resolve().parent / "fixtures"
@@ -47,34 +46,23 @@ def rule_reply(prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
     return body[:max_tokens], "length"
 
 
-class _FakeVLLM(BaseHTTPRequestHandler):
+class _FakeVLLM(QuietHandler):
     requests: list = []
-
-    def log_message(self, *a):
-        pass
-
-    def _send(self, body: str, code: int = 200, ctype: str = "application/json"):
-        data = body.encode()
-        self.send_response(code)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
 
     def do_GET(self):
         if self.path == "/health":
-            return self._send("")
+            return self.send_text("")
         if self.path == "/v1/models":
-            return self._send(json.dumps({"object": "list", "data": [{"id": "target", "max_model_len": 2048}]}))
+            return self.send_text(json.dumps({"object": "list", "data": [{"id": "target", "max_model_len": 2048}]}))
         if self.path == "/metrics":
-            return self._send((FIX / "vllm_metrics_baseline.txt").read_text(), ctype="text/plain")
-        self._send('{"detail":"Not Found"}', 404)
+            return self.send_text((FIX / "vllm_metrics_baseline.txt").read_text(), ctype="text/plain")
+        self.send_text('{"detail":"Not Found"}', 404)
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         type(self).requests.append(body)
         ids, finish = rule_reply(body["prompt"], int(body["max_tokens"]))
-        self._send(json.dumps({"object": "text_completion", "model": body["model"], "choices": [
+        self.send_text(json.dumps({"object": "text_completion", "model": body["model"], "choices": [
             {"index": 0, "text": "", "finish_reason": finish, "token_ids": ids}],
             "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": len(ids)}}))
 
@@ -82,12 +70,8 @@ class _FakeVLLM(BaseHTTPRequestHandler):
 @pytest.fixture()
 def fake_vllm():
     _FakeVLLM.requests = []
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _FakeVLLM)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    yield f"http://127.0.0.1:{srv.server_address[1]}", _FakeVLLM.requests
-    srv.shutdown()
-    srv.server_close()
+    with serve(_FakeVLLM) as url:
+        yield url, _FakeVLLM.requests
 
 
 def _cfg(tiny_target_dir, tmp_path, url, **engine_kw):
