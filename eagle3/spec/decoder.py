@@ -51,7 +51,7 @@ from eagle3.errors import Eagle3Error
 from eagle3.spec.accept import _sample, accept_chain_sampling, accept_greedy, accept_tree_sampling, target_probs
 from eagle3.spec.proposer import DraftProposer
 from eagle3.spec.settings import GenerationResult, SpecSettings
-from eagle3.spec.target import TargetRunner, _compact_cache, synchronize, truncate_cache
+from eagle3.spec.target import TargetRunner, synchronize
 from eagle3.spec.tree import DraftTree, build_draft, tree_ancestors
 
 
@@ -90,8 +90,8 @@ def target_generate(
     t0 = time.perf_counter()
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=dev)
     cache = runner.new_cache()
-    pos = torch.arange(ids.shape[1], device=dev)[None]
-    logits, _ = runner.forward(ids, pos, cache, last_only=True, capture=False)
+    runner.reserve(cache, ids.shape[1] + settings.max_new_tokens)
+    logits, _ = runner.prefill(ids, cache, capture=False)
     out: list[int] = []
     n = ids.shape[1]
     prefill = None
@@ -106,7 +106,7 @@ def target_generate(
         out.append(t)
         if t in stop or len(out) >= settings.max_new_tokens:
             break
-        logits, _ = runner.forward(tok[None], torch.tensor([[n]], device=dev), cache, capture=False)
+        logits = runner.decode(tok, n, cache)
         n += 1
     synchronize(dev)
     return GenerationResult(tokens=out, seconds=time.perf_counter() - t0, prefill_seconds=prefill)
@@ -146,7 +146,8 @@ class SpeculativeDecoder:
         ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=dev)
         plen = ids.shape[1]
         cache = runner.new_cache()
-        logits, aux = runner.forward(ids, torch.arange(plen, device=dev)[None], cache, last_only=True)
+        runner.reserve(cache, plen + s.max_new_tokens + s.num_draft_tokens)
+        logits, aux = runner.prefill(ids, cache)
         if s.greedy:
             root = logits[-1:].argmax(-1)  # [1]
         else:
@@ -178,13 +179,9 @@ class SpeculativeDecoder:
             if take < len(proposed) or proposed[take - 1] in self.stop or len(res.tokens) >= s.max_new_tokens:
                 break
             # roll back: keep root + accepted path in the target cache (and their aux states)
-            if path == list(range(a + 1)):  # a prefix of the verify slots (always for chains)
-                truncate_cache(cache, length + a + 1)
-                aux = aux_all[: a + 1] if aux_all is not None else None
-            else:
-                path_t = torch.tensor(path, device=dev)
-                _compact_cache(cache, length, path_t, contiguous=False)
-                aux = aux_all[path_t] if aux_all is not None else None
+            path_t = runner.rollback(cache, length, path)
+            if aux_all is not None:
+                aux = aux_all[: a + 1] if path_t is None else aux_all[path_t]
             start, length = length, length + a + 1
             new_ids = torch.tensor(proposed, dtype=torch.long, device=dev)
             root = new_ids[-1:]
@@ -199,8 +196,8 @@ class SpeculativeDecoder:
 
         Args:
             tree: the round's draft (``N`` nodes, root first).
-            cache: the target's ``DynamicCache`` holding the ``length`` verified
-                positions; the ``N`` nodes are appended (the caller rolls back).
+            cache: the target's cache holding the ``length`` verified positions; the
+                ``N`` nodes are appended (the caller rolls back).
             length: verified positions in ``cache`` (the root's position).
             generator: the sequence's random generator (temperature > 0).
 
@@ -209,18 +206,9 @@ class SpeculativeDecoder:
             first), the tokens it yields (accepted drafts, then the bonus or sampled
             token), and the ``[N, 3*H]`` aux states of every node (None without aux ids).
         """
-        s, runner, dev = self.settings, self.runner, self.runner.device
-        n = tree.tokens.numel()
-        pos = (length + tree.depth)[None]
-        if s.is_chain:
-            mask = None
-        else:
-            visible = torch.cat(
-                [torch.ones(n, length, dtype=torch.bool, device=dev), tree_ancestors(tree.parents, s.num_steps)],
-                dim=1,
-            )
-            mask = runner.tree_mask(visible)
-        logits, aux_all = runner.forward(tree.tokens[None], pos, cache, attention_mask=mask)
+        s, runner = self.settings, self.runner
+        ancestors = None if s.is_chain else tree_ancestors(tree.parents, s.num_steps)
+        logits, aux_all = runner.verify(tree.tokens, tree.depth, ancestors, cache, length)
         if s.greedy:
             path, proposed = accept_greedy(tree, logits, s.num_steps)
         else:

@@ -115,6 +115,10 @@ class TargetRunner:
 
         return DynamicCache(config=self.model.config)
 
+    def reserve(self, cache, length: int) -> None:
+        """Declare that ``cache`` will hold up to ``length`` positions (a dynamic cache
+        grows as needed; a static one raises when it is too short)."""
+
     def tree_mask(self, visible: torch.Tensor) -> torch.Tensor:
         """``[n, S]`` bool (True = attend) -> the 4D mask this attention implementation reads.
 
@@ -135,6 +139,55 @@ class TargetRunner:
             f"tree verification needs a custom attention mask, which attn_implementation="
             f"'{self.attn_implementation}' does not take; use engine.attn_implementation=sdpa or eager"
         )
+
+    # --- the four calls of a round (a static-cache runner overrides them) -----------------
+    def prefill(self, input_ids: torch.Tensor, cache, capture: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The prompt's forward: ``input_ids [1, P]`` -> ``(logits [1, V] of the last
+        position, aux [P, 3*H] or None)``; ``cache`` then holds positions ``0 .. P-1``."""
+        pos = torch.arange(input_ids.shape[1], device=self.device)[None]
+        return self.forward(input_ids, pos, cache, last_only=True, capture=capture)
+
+    def decode(self, token: torch.Tensor, position: int, cache) -> torch.Tensor:
+        """One plain decode step (the baseline): ``token [1]`` at ``position`` -> logits ``[1, V]``."""
+        logits, _ = self.forward(token[None], torch.tensor([[position]], device=self.device), cache, capture=False)
+        return logits
+
+    def verify(self, tokens: torch.Tensor, depth: torch.Tensor, ancestors: Optional[torch.Tensor], cache,
+               length: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The verify pass over a draft of ``N`` nodes appended after ``length`` verified positions.
+
+        Args:
+            tokens: ``[N]`` int64 target ids, root first.
+            depth: ``[N]`` int64 node depths (positions are ``length + depth``).
+            ancestors: ``[N, N]`` bool (:func:`eagle3.spec.tree.tree_ancestors`) for a tree,
+                None for a chain (causal).
+            cache: holds ``length`` positions; the nodes are appended.
+            length: verified positions in ``cache`` (the root's position).
+
+        Returns:
+            ``(logits [N, V], aux [N, 3*H] or None)``.
+        """
+        mask = None
+        if ancestors is not None:
+            n = tokens.numel()
+            visible = torch.cat([torch.ones(n, length, dtype=torch.bool, device=self.device), ancestors], dim=1)
+            mask = self.tree_mask(visible)
+        return self.forward(tokens[None], (length + depth)[None], cache, attention_mask=mask)
+
+    def rollback(self, cache, length: int, path: Sequence[int]) -> Optional[torch.Tensor]:
+        """Keep the root and the accepted path of the last verify pass (``path``: tree indices,
+        root first) at positions ``length ..``; drop the other nodes.
+
+        Returns:
+            ``[len(path)]`` int64 device tensor of ``path`` when the path was not a prefix of
+            the verify slots (a tree: its nodes were moved), else None (slots already in place).
+        """
+        if list(path) == list(range(len(path))):
+            truncate_cache(cache, length + len(path))
+            return None
+        path_t = torch.tensor(list(path), device=self.device)
+        _compact_cache(cache, length, path_t, contiguous=False)
+        return path_t
 
     def forward(
         self,

@@ -1,0 +1,170 @@
+"""Static KV caches (SlotCache) for target and drafter: same tokens, counts and drafter logits as the dynamic path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle3.errors import Eagle3Error
+from eagle3.spec import (
+    Eagle3Proposer,
+    ForcedProposer,
+    SlotCache,
+    SpecSettings,
+    SpeculativeDecoder,
+    StaticEagle3Proposer,
+    StaticTargetRunner,
+    TargetRunner,
+    build_decoder,
+    target_generate,
+)
+from eagle3.spec.graphs import GraphedCall
+from test_spec_decode import AUX, PROMPT, ReferenceProposer, greedy_reference, tiny_drafter, tiny_target
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MAX_LEN = 160
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+class Recording:
+    """Wraps a proposer; keeps every begin/step result (to compare two proposers call by call)."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+        self.aux_layer_ids, self.vocab_target_ids = inner.aux_layer_ids, inner.vocab_target_ids
+
+    def reset(self):
+        self.inner.reset()
+
+    def begin(self, input_ids, aux, start):
+        out = self.inner.begin(input_ids, aux, start)
+        self.calls.append(("begin", start, input_ids.numel(), out.clone()))
+        return out
+
+    def step(self, input_ids, parents, position):
+        out = self.inner.step(input_ids, parents, position)
+        self.calls.append(("step", position, input_ids.numel(), out.clone()))
+        return out
+
+    def end_round(self):
+        self.inner.end_round()
+
+    def to_target(self, ids):
+        return self.inner.to_target(ids)
+
+
+# ----------------------------------------------------------------------------- SlotCache
+def test_slot_cache_writes_at_slots_moves_paths_and_refuses_overflow():
+    c = SlotCache(num_layers=2, num_kv_heads=1, head_dim=2, max_len=6, dtype=torch.float32, device="cpu")
+    k = torch.arange(6.0).reshape(1, 1, 3, 2)
+    c.set_slots(torch.tensor([1, 2, 4]))
+    keys, values = c.update(k, -k, layer_idx=1)
+    assert keys.shape == (1, 1, 6, 2)  # the whole buffer is returned
+    assert keys[0, 0].tolist() == [[0, 0], [0, 1], [2, 3], [0, 0], [4, 5], [0, 0]]
+    assert values[0, 0, 4].tolist() == [-4, -5]
+    assert c.keys[0].abs().sum() == 0  # the other layer is untouched
+    c.move(torch.tensor([4, 2]), dst_start=0)  # a tree path: slot 4 then slot 2, behind the prefix
+    assert c.keys[1][0, 0, :2].tolist() == [[4, 5], [2, 3]]
+    assert c.values[1][0, 0, :2].tolist() == [[-4, -5], [-2, -3]]
+    c.check_room(6)
+    with pytest.raises(Eagle3Error, match="raise spec.max_len"):
+        c.check_room(7)
+
+
+def test_graphed_call_is_a_plain_call_when_disabled():
+    calls = []
+    g = GraphedCall(lambda x: (calls.append(1) or x * 2,), enabled=False)
+    assert g("k", torch.tensor([3.0]))[0].item() == 6.0
+    assert calls == [1] and g.captures == []
+
+
+# ------------------------------------------------------------------------ target runner
+def test_static_runner_decodes_the_dynamic_runners_tokens(target):
+    s, _ = SpecSettings.make(3, 1, 4, max_new_tokens=40)
+    ref = target_generate(TargetRunner(target), PROMPT, s)
+    runner = StaticTargetRunner(target, max_len=MAX_LEN)
+    for _ in range(2):  # the one cache is reused: a second prompt sees nothing of the first
+        got = target_generate(runner, PROMPT, s)
+        assert got.tokens == ref.tokens
+    assert runner.cuda_graphs is False  # CPU: eager
+
+
+def test_static_runner_refuses_a_sequence_longer_than_its_cache(target):
+    s, _ = SpecSettings.make(3, 1, 4, max_new_tokens=40)
+    with pytest.raises(Eagle3Error, match="KV slots"):
+        target_generate(StaticTargetRunner(target, max_len=30), PROMPT, s)
+
+
+@pytest.mark.parametrize("steps,topk,ndt", [(3, 1, 4), (3, 2, 6), (4, 3, 8)])
+def test_static_verify_and_rollback_equal_dynamic_with_partial_acceptance(target, steps, topk, ndt):
+    """A noisy oracle accepts some drafts, rejects others, and (trees) accepts paths that are
+    not a prefix of the verify slots: the static cache's mask-only rollback and path move
+    must give the dynamic cache's every token and count."""
+    n = 60
+    ref = greedy_reference(target, PROMPT, n)
+    s, _ = SpecSettings.make(steps, topk, ndt, max_new_tokens=n)
+    dyn = SpeculativeDecoder(TargetRunner(target), ReferenceProposer(ref, mode="noisy"), s).generate(PROMPT)
+    sta = SpeculativeDecoder(StaticTargetRunner(target, max_len=MAX_LEN), ReferenceProposer(ref, mode="noisy"),
+                             s).generate(PROMPT)
+    assert sta.tokens == dyn.tokens == ref[len(PROMPT):]
+    assert sta.accept_counts == dyn.accept_counts
+    assert 0 < sum(dyn.accept_counts) < steps * len(dyn.accept_counts)  # partial acceptance happened
+
+
+# ----------------------------------------------------------------------------- drafter
+@pytest.mark.parametrize("steps,topk,ndt", [(3, 1, 4), (3, 2, 6)])
+def test_static_drafter_gives_the_dynamic_drafters_logits_call_by_call(target, steps, topk, ndt):
+    """The EAGLE-3 drafter with a forced reference (so rounds verify 1..steps+1 positions and
+    the static proposer's begin sees every count) on both paths: identical tokens and counts,
+    and every begin/step returns the same logits."""
+    drafter = tiny_drafter(target)
+    n = 50
+    ref = greedy_reference(target, PROMPT, n)
+    s, _ = SpecSettings.make(steps, topk, ndt, max_new_tokens=n)
+
+    def run(runner, proposer):
+        rec = Recording(proposer)
+        res = SpeculativeDecoder(runner, ForcedProposer(rec, ref), s).generate(PROMPT)
+        return res, rec.calls
+
+    dyn, dcalls = run(TargetRunner(target, AUX), Eagle3Proposer(drafter, AUX))
+    sta, scalls = run(StaticTargetRunner(target, AUX, max_len=MAX_LEN),
+                      StaticEagle3Proposer(drafter, AUX, max_len=MAX_LEN))
+    assert sta.tokens == dyn.tokens == ref[len(PROMPT):]
+    assert sta.accept_counts == dyn.accept_counts
+    assert max(dyn.accept_counts) == steps  # forced: full rounds happen
+    assert [c[:3] for c in scalls] == [c[:3] for c in dcalls]
+    for (_, _, _, a), (_, _, _, b) in zip(scalls, dcalls):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_forced_proposer_makes_every_chain_draft_accepted(target):
+    drafter = tiny_drafter(target)
+    n = 30
+    ref = greedy_reference(target, PROMPT, n)
+    s, _ = SpecSettings.make(3, 1, 4, max_new_tokens=n)
+    # the draft vocabulary must hold the reference tokens for them to be forced
+    vocab = set(drafter.draft_ids().tolist())
+    res = SpeculativeDecoder(TargetRunner(target, AUX), ForcedProposer(Eagle3Proposer(drafter, AUX), ref),
+                             s).generate(PROMPT)
+    assert res.tokens == ref[len(PROMPT):]
+    # a round accepts all 3 drafts unless one of the 3 reference tokens is outside the draft vocabulary
+    gen = ref[len(PROMPT):]
+    assert sum(res.accept_counts) >= sum(t in vocab for t in gen[1:]) - 3 * sum(t not in vocab for t in gen)
+    assert res.verify_passes < n
+
+
+def test_build_decoder_picks_the_dynamic_path_on_cpu_unless_asked(target):
+    drafter = tiny_drafter(target)
+    s, _ = SpecSettings.make(3, 1, 4, max_new_tokens=8)
+    auto = build_decoder(target, drafter, AUX, s, [], max_prompt_tokens=64)
+    assert type(auto.runner) is TargetRunner and type(auto.proposer) is Eagle3Proposer
+    forced = build_decoder(target, drafter, AUX, s, [], max_prompt_tokens=64, static=True)
+    assert isinstance(forced.runner, StaticTargetRunner) and isinstance(forced.proposer, StaticEagle3Proposer)
+    assert forced.runner.max_len == 64 + 8 + 4 + 3
+    assert forced.generate(PROMPT).tokens == auto.generate(PROMPT).tokens
