@@ -23,6 +23,14 @@ class HFEngineConfig:
     generate_batch_size: Optional[int] = None  # prompts per batched generate call
     capture_batch_size: Optional[int] = None  # sequences per batched capture forward
     max_batch_tokens: Optional[int] = None  # padded tokens per capture forward (caps memory)
+    # Generation KV cache: static = transformers' StaticCache, decode step compiled with CUDA
+    # graphs on CUDA; dynamic = DynamicCache, eager; auto = static on CUDA, dynamic on CPU.
+    generate_cache: str = "auto"
+    # Evaluation's batch-1 decoding (baseline and speculative): static = preallocated KV caches
+    # for target and drafter (eagle3.spec.slots), forwards replayed from CUDA graphs on CUDA
+    # when cuda_graphs; dynamic = DynamicCache, eager; auto = static on CUDA, dynamic on CPU.
+    decode_cache: str = "auto"
+    cuda_graphs: bool = True
 
 
 @dataclass

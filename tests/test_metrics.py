@@ -92,3 +92,36 @@ def test_verdicts():
     # a bad drafter is not called throttled
     assert "throttled" not in verdict({**served, "acceptance_length": 1.0}, spec_cap=48)[0]
     assert verdict({"acceptance_length": float("nan")})[0] == "OK"
+
+
+def test_verdict_calls_a_speed_up_above_tau_timing_noise_and_an_interval_across_one_no_claim():
+    # tau 1.03 with a measured 1.5x: impossible (a round emits tau tokens and costs >= one target step)
+    v, notes = verdict({"acceptance_length": 1.03, "speedup": 1.5, "speedup_interval": [1.3, 1.7]})
+    assert v == "accepts-nothing, timing-noise"
+    assert "exceeds tau 1.03" in notes[1]
+    # below 1 but the interval reaches above 1: not called slower, and said so
+    v, notes = verdict({"acceptance_length": 2.5, "speedup": 0.95, "speedup_interval": [0.85, 1.04]})
+    assert v == "OK" and "contains 1.0" in notes[0]
+    assert verdict({"acceptance_length": 2.5, "speedup": 0.9, "speedup_interval": [0.85, 0.96]})[0] == "slower"
+    assert verdict({"acceptance_length": 2.5, "speedup": 2.4})[0] == "OK"  # below tau: possible
+
+
+def test_in_process_speed_up_interval_is_the_bootstrap_over_prompts():
+    import numpy as np
+
+    from eagle3.evaluate.records import TurnRecord, summarize_benchmark
+    from eagle3.spec import SpecSettings
+
+    s, _ = SpecSettings.make(3, 1, 4, max_new_tokens=8)
+    # prompt i: baseline 8 tokens in 1 s; speculative 8 tokens in t_i s (two turns of prompt "a" pooled)
+    spec_s = {"a": [0.25, 0.25], "b": [0.5], "c": [1.0], "d": [0.4]}
+    recs = [TurnRecord("x", sid, t, 5, [1] * 8, [1] * 8, sec, 1.0, 0.0, 0.0, 4, 8, [1, 1, 1, 1])
+            for sid, secs in spec_s.items() for t, sec in enumerate(secs)]
+    out = summarize_benchmark(recs, s)
+    rows = np.array([[16, 2, 16, 0.5], [8, 1, 8, 0.5], [8, 1, 8, 1.0], [8, 1, 8, 0.4]])
+    rng = np.random.default_rng(0)
+    idx = rng.integers(0, 4, size=(2000, 4))
+    t = rows[idx].sum(axis=1)
+    want = np.quantile((t[:, 2] / t[:, 3]) / (t[:, 0] / t[:, 1]), [0.025, 0.975])
+    assert out["speedup"] == pytest.approx((40 / 2.4) / (40 / 5))
+    assert out["speedup_interval"] == pytest.approx(list(want))

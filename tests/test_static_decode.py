@@ -168,3 +168,37 @@ def test_build_decoder_picks_the_dynamic_path_on_cpu_unless_asked(target):
     assert isinstance(forced.runner, StaticTargetRunner) and isinstance(forced.proposer, StaticEagle3Proposer)
     assert forced.runner.max_len == 64 + 8 + 4 + 3
     assert forced.generate(PROMPT).tokens == auto.generate(PROMPT).tokens
+
+
+# ------------------------------------------------------------------- batched regeneration
+def test_static_cache_generation_gives_the_dynamic_caches_greedy_tokens(target):
+    """The hf engine's generate with ``generate_cache=static`` (StaticCache, prompts padded to a
+    multiple of 64) against the dynamic cache (no extra padding), float32 on CPU: same tokens."""
+    from types import SimpleNamespace
+
+    from eagle3.engines.hf.engine import STATIC_WIDTH_MULTIPLE, generation_config, left_pad
+
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(1, 90, (n,), generator=g).tolist() for n in (9, 23, 5, 40, 17)]
+    sampling = SimpleNamespace(temperature=0.0, top_p=1.0, max_new_tokens=24)
+    out = {}
+    for static in (False, True):
+        ids, mask = left_pad(seqs, pad_id=0, multiple=STATIC_WIDTH_MULTIPLE if static else 1)
+        assert ids.shape[1] == (64 if static else 40)
+        cfg = generation_config(sampling, stop_ids=[], pad_id=0, static=static)
+        assert cfg.cache_implementation == ("static" if static else None)
+        with torch.inference_mode():
+            out[static] = target.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)[:, ids.shape[1]:]
+    assert out[True].shape == (5, 24)
+    assert out[True].tolist() == out[False].tolist()
+
+
+def test_engine_generate_cache_setting_is_checked():
+    from types import SimpleNamespace
+
+    from eagle3.engines.hf.engine import HFEngine
+
+    with pytest.raises(Eagle3Error, match="generate_cache='fast'"):
+        HFEngine.__init__(object.__new__(HFEngine), model=None, tokenizer=SimpleNamespace(),
+                          target=None, engine_cfg=SimpleNamespace(generate_cache="fast", attn_implementation="sdpa"),
+                          device=torch.device("cpu"))

@@ -85,6 +85,7 @@ class _Evaluation:
     def __post_init__(self):
         self.runner, self.dev = self.decoder.runner, self.decoder.runner.device
         self.stop = sorted(self.decoder.stop)
+        self.turns = 0  # turns decoded so far (sets which decoding runs first)
 
     def gen(self, seed_: int):
         """A fresh generator seeded with ``seed_`` on the target's device (None when greedy)."""
@@ -115,8 +116,14 @@ class _Evaluation:
             if self.too_long(ids):
                 return recs, True
             s = _turn_seed(self.seed, name, str(row["id"]), t)
-            spec = self.decoder.generate(ids, self.gen(s))
-            base = target_generate(self.runner, ids, self.settings, self.stop, self.gen(s))
+            # alternate which decoding goes first, so a drift in machine load hits both alike
+            self.turns += 1
+            if self.turns % 2:
+                spec = self.decoder.generate(ids, self.gen(s))
+                base = target_generate(self.runner, ids, self.settings, self.stop, self.gen(s))
+            else:
+                base = target_generate(self.runner, ids, self.settings, self.stop, self.gen(s))
+                spec = self.decoder.generate(ids, self.gen(s))
             rec = TurnRecord(name, str(row["id"]), t, len(ids), spec.tokens, base.tokens,
                              spec.seconds, base.seconds, spec.prefill_seconds, base.prefill_seconds,
                              spec.verify_passes, spec.emitted, spec.accept_counts)

@@ -188,7 +188,8 @@ def verdict(bench: dict, spec_cap: Optional[int] = None) -> tuple[str, list[str]
 
     Returns:
         ``(verdict, notes)``: ``verdict`` is ``"OK"`` or the comma-joined codes
-        ``accepts-nothing``, ``slower``, ``throttled`` (losses above the server's running-request cap,
+        ``accepts-nothing``, ``slower`` (below 1, and the interval too when there is one),
+        ``timing-noise`` (a speed-up above tau: impossible, so the timings are wrong), ``throttled`` (losses above the server's running-request cap,
         or at high load with the cap unknown), ``compute-bound`` (losses at high load under a known cap
         that was not reached), ``loops``, ``not-lossless``
         (mismatches with the target's greedy output beyond ``lossless_near_ties``);
@@ -203,9 +204,19 @@ def verdict(bench: dict, spec_cap: Optional[int] = None) -> tuple[str, list[str]
             f"tau {tau:.2f} means the drafter accepts nothing: check the aux layer ids, d2t and the feature "
             "source (were features extracted from the served target and quantization?)"
         )
-    if sp is not None and sp < 1.0:
+    iv = bench.get("speedup_interval")
+    if sp is not None and sp < 1.0 and not (iv and iv[1] >= 1.0):
         codes.append("slower")
         notes.append(f"speed-up {sp:.2f} < 1: speculation costs more than it saves here")
+    elif sp is not None and iv and iv[0] <= 1.0 <= iv[1]:
+        notes.append(f"speed-up {sp:.2f} has the 95% interval [{iv[0]:.2f}, {iv[1]:.2f}], which contains 1.0: "
+                     "no speed-up (or slow-down) can be claimed")
+    if sp is not None and tau is not None and not math.isnan(tau) and sp > tau:
+        # a round emits tau tokens on average and costs at least one target step (its verify pass)
+        codes.append("timing-noise")
+        notes.append(f"speed-up {sp:.2f} exceeds tau {tau:.2f}, which no speculative decoder can do (each verify "
+                     "pass emits tau tokens and costs at least one target step): the timings are noise (the load "
+                     "on the machine changed between the two decodings); rerun on an idle machine")
     _load_verdict(bench, tau, spec_cap, codes, notes)
     div = bench.get("diversity") or {}
     if div.get("loops"):

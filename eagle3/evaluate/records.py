@@ -81,6 +81,7 @@ def summarize_benchmark(recs: Sequence[TurnRecord], settings: SpecSettings) -> d
     out["tokens_per_s_spec"] = tokens_per_second(spec_tok, sum(r.spec_seconds for r in recs))
     out["tokens_per_s_base"] = tokens_per_second(base_tok, sum(r.base_seconds for r in recs))
     out["speedup"] = ratio(out["tokens_per_s_spec"], out["tokens_per_s_base"])
+    out["speedup_interval"] = _speedup_interval(recs)
     # decode only: tokens after the first / time after the prefill (the prefill is the same work in both)
     out["decode_tokens_per_s_spec"] = tokens_per_second(
         spec_tok - len(recs), sum(r.spec_seconds - r.spec_prefill_seconds for r in recs))
@@ -99,6 +100,21 @@ def summarize_benchmark(recs: Sequence[TurnRecord], settings: SpecSettings) -> d
     out["output_tokens_spec"] = spec_tok
     out["output_tokens_base"] = base_tok
     return out
+
+
+def _speedup_interval(recs: Sequence[TurnRecord]) -> Optional[list[float]]:
+    """Bootstrap 95% interval over prompts of the pooled speed-up (the ratio ``speedup`` is),
+    from each prompt's tokens and seconds of both decodings; None below 2 prompts."""
+    from eagle3.evaluate.served_measures import pooled_speedup
+
+    by: dict[str, list[float]] = {}
+    for r in recs:
+        row = by.setdefault(r.sample_id, [0.0, 0.0, 0.0, 0.0])
+        row[0] += len(r.base_tokens)
+        row[1] += r.base_seconds
+        row[2] += len(r.spec_tokens)
+        row[3] += r.spec_seconds
+    return pooled_speedup(list(by.values()))["interval"]
 
 
 def _lossless(recs: Sequence[TurnRecord], prompts: set[str], greedy: bool) -> dict:

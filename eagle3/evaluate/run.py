@@ -58,7 +58,7 @@ from eagle3.evaluate.records import SAMPLES_FILE, overall_summary, write_samples
 from eagle3.evaluate.report import write_report
 from eagle3.evaluate.resume import benchmark_keys, load_finished, save_partial
 from eagle3.paths import stage_output_dir
-from eagle3.spec import Eagle3Proposer, SpecSettings, SpeculativeDecoder, TargetRunner
+from eagle3.spec import SpecSettings, build_decoder
 
 log = logging.getLogger("eagle3")
 
@@ -173,6 +173,18 @@ def _load_in_process(cfg, meta: dict, manifest: Optional[dict], warnings: list[s
     return _Loaded(model, tokenizer, info, device, drafter, aux)
 
 
+def decode_cache(engine_cfg) -> Optional[bool]:
+    """``engine.decode_cache`` as :func:`eagle3.spec.build_decoder`'s ``static`` (None = auto).
+
+    Raises:
+        Eagle3Error: a value other than auto, dynamic or static.
+    """
+    v = str(getattr(engine_cfg, "decode_cache", "auto") or "auto")
+    if v not in ("auto", "dynamic", "static"):
+        raise Eagle3Error(f"engine.decode_cache={v!r}: use auto, dynamic or static")
+    return None if v == "auto" else v == "static"
+
+
 def _evaluate_in_process(cfg, settings: SpecSettings, meta: dict, names: list[str], manifest: Optional[dict],
                          output_dir: Path, warnings: list[str]) -> dict:
     """``engine=hf``: both decodings of every prompt here (one worker's share when
@@ -187,8 +199,9 @@ def _evaluate_in_process(cfg, settings: SpecSettings, meta: dict, names: list[st
     if cfg.worker is not None:  # one worker of run_evaluate_parallel: every workers-th prompt
         benchmarks = {n: ds.select(range(int(cfg.worker), len(ds), int(cfg.workers))) for n, ds in benchmarks.items()}
         benchmarks = {n: ds for n, ds in benchmarks.items() if len(ds)}
-    runner = TargetRunner(t.model, t.aux)
-    decoder = SpeculativeDecoder(runner, Eagle3Proposer(t.drafter, t.aux), settings, end_of_turn_ids(t.tokenizer))
+    decoder = build_decoder(t.model, t.drafter, t.aux, settings, end_of_turn_ids(t.tokenizer),
+                            max_prompt_tokens=cfg.max_prompt_tokens, static=decode_cache(cfg.engine),
+                            cuda_graphs=bool(getattr(cfg.engine, "cuda_graphs", True)))
     if settings.max_new_tokens + settings.num_draft_tokens + cfg.max_prompt_tokens > (t.info.max_position_embeddings or 10**9):
         warnings.append(
             f"max_prompt_tokens + max_new_tokens exceed the target's {t.info.max_position_embeddings} positions"
@@ -211,7 +224,7 @@ def _evaluate_in_process(cfg, settings: SpecSettings, meta: dict, names: list[st
         done=done, on_done=lambda n, r, ww: save_partial(output_dir, n, keys[n], r, ww),
     )
     warnings += w
-    runner.close()
+    decoder.runner.close()
     write_samples(output_dir / SAMPLES_FILE, records, decode)
     return {
         "engine": "hf",
@@ -221,9 +234,19 @@ def _evaluate_in_process(cfg, settings: SpecSettings, meta: dict, names: list[st
                         "num_draft_tokens": settings.num_draft_tokens},
         "sampling": {"temperature": settings.temperature, "top_p": settings.top_p,
                      "max_new_tokens": settings.max_new_tokens},
-        "settings": _in_process_settings(cfg, t, sorted(done)),
+        "settings": {**_in_process_settings(cfg, t, sorted(done)), "decoding": decoding_path(decoder)},
         "warnings": warnings,
     }
+
+
+def decoding_path(decoder) -> str:
+    """How the in-process decodings ran: ``static KV caches + CUDA graphs``, ``static KV caches``
+    or ``dynamic KV caches`` (the report's ``settings.decoding``)."""
+    from eagle3.spec import StaticTargetRunner
+
+    if not isinstance(decoder.runner, StaticTargetRunner):
+        return "dynamic KV caches"
+    return "static KV caches + CUDA graphs" if decoder.runner.cuda_graphs else "static KV caches"
 
 
 def _in_process_settings(cfg, t: _Loaded, resumed: list[str]) -> dict:

@@ -144,9 +144,20 @@ def paired_speedup(pairs: Pairs, resamples: int = 2000, level: float = 0.95, see
         True when the interval excludes 1.0 (a speed-up, or a slow-down, beyond the
         prompt-to-prompt noise), None without an interval (fewer than 2 prompts).
     """
+    return pooled_speedup(_tokens_seconds(pairs), resamples, level, seed)
+
+
+def pooled_speedup(a, resamples: int = 2000, level: float = 0.95, seed: int = 0) -> dict:
+    """The pooled-rate speed-up of :func:`paired_speedup` and its percentile bootstrap interval
+    from a ``[n, 4]`` array of per-prompt baseline tokens, baseline seconds, speculative tokens,
+    speculative seconds (served requests, or in-process decodings of the same prompts).
+
+    Returns:
+        The dict of :func:`paired_speedup`.
+    """
     import numpy as np
 
-    a = _tokens_seconds(pairs)
+    a = np.asarray(a, dtype=np.float64).reshape(-1, 4)
     out: dict[str, Any] = {"prompts": int(a.shape[0]), "level": level, "resamples": int(resamples),
                            "speedup": None, "interval": None, "significant": None,
                            "tokens_per_s_base": None, "tokens_per_s_spec": None}

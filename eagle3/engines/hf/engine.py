@@ -5,7 +5,10 @@ tokenizer's pad id; attention mask given, so transformers derives position ids f
 it), greedy unless ``temperature > 0``, stopping at EOS or the template's end-of-turn
 token. On a CPU with ``attn_implementation=sdpa`` the decode steps use the GQA decode
 attention of :mod:`eagle3.engines.hf.attention` (prefill stays ``sdpa``); recorded as
-``generate_attn`` in :meth:`HFEngine.info`.
+``generate_attn`` in :meth:`HFEngine.info`. On CUDA (``engine.generate_cache=auto``) the
+KV cache is transformers' ``StaticCache`` and transformers compiles the decode step
+(CUDA graphs); prompts are then padded to a multiple of 64 so batches share compiled
+shapes (``generate_cache`` in :meth:`HFEngine.info`).
 
 Capture: one forward pass of the base model per length-sorted batch with right
 padding, an explicit attention mask and position ids ``0..len-1``, so every real token
@@ -41,6 +44,7 @@ from eagle3.target import TargetInfo, load_target
 log = logging.getLogger("eagle3")
 
 LOGITS_CHUNK_BYTES = 1 << 29  # float32 logits per top-k chunk: 512 MiB
+STATIC_WIDTH_MULTIPLE = 64  # static-cache generation pads prompts to a multiple of this (fewer compiled shapes)
 GENERATE_TOKEN_FACTOR = 8  # a generate batch holds <= 8 x max_batch_tokens padded prompt + new tokens
 # Batch sizes when the engine config leaves them unset (None), by device type.
 # cpu: a decode step reads every weight once, so wider generate batches amortise it
@@ -70,9 +74,10 @@ def _batches(lengths: list[int], max_items: int, max_tokens: int, extra: int = 0
     return out
 
 
-def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(input_ids [B, T] int64, attention_mask [B, T] int64)``, pads on the left, mask 0 there."""
-    width = max(len(s) for s in seqs)
+def left_pad(seqs: list[list[int]], pad_id: int, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids [B, T] int64, attention_mask [B, T] int64)``, pads on the left, mask 0 there;
+    ``T`` is the longest row rounded up to ``multiple`` (so compiled shapes repeat)."""
+    width = -(-max(len(s) for s in seqs) // multiple) * multiple
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for r, s in enumerate(seqs):
@@ -95,6 +100,31 @@ def right_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
     return ids, mask, pos
 
 
+def generation_config(sampling, stop_ids: list[int], pad_id: int, static: bool):
+    """The ``GenerationConfig`` of one :meth:`HFEngine.generate` call.
+
+    Greedy unless ``sampling.temperature > 0`` (then temperature and top-p, no top-k);
+    ``max_new_tokens`` from ``sampling``; stops at any of ``stop_ids``. ``static``: a
+    preallocated ``StaticCache`` (``cache_implementation="static"``), with which
+    transformers compiles the decode step on CUDA (``torch.compile``, mode
+    ``reduce-overhead``: CUDA graphs; its ``_valid_auto_compile_criteria``) and runs it
+    eagerly elsewhere.
+    """
+    from transformers import GenerationConfig
+
+    do_sample = float(sampling.temperature) > 0
+    return GenerationConfig(
+        max_new_tokens=int(sampling.max_new_tokens),
+        do_sample=do_sample,
+        temperature=float(sampling.temperature) if do_sample else None,
+        top_p=float(sampling.top_p) if do_sample else None,
+        top_k=None,
+        eos_token_id=stop_ids,
+        pad_token_id=pad_id,
+        cache_implementation="static" if static else None,
+    )
+
+
 class HFEngine(Engine):
     """The target run in-process by transformers.
 
@@ -106,6 +136,10 @@ class HFEngine(Engine):
     """
 
     def __init__(self, model, tokenizer, target: TargetInfo, engine_cfg, device: torch.device):
+        cache = getattr(engine_cfg, "generate_cache", "auto") or "auto"
+        if cache not in ("auto", "dynamic", "static"):
+            raise Eagle3Error(f"engine.generate_cache={cache!r}: use auto, dynamic or static")
+        self.static_generate = cache == "static" or (cache == "auto" and device.type == "cuda")
         self.model = model
         self.tokenizer = tokenizer
         self.target = target
@@ -149,6 +183,7 @@ class HFEngine(Engine):
             "dtype": str(next(self.model.parameters()).dtype).replace("torch.", ""),
             "attn_implementation": self.cfg.attn_implementation,
             "generate_attn": self.generate_attn,
+            "generate_cache": "static" if self.static_generate else "dynamic",
             "torch": torch.__version__,
             "transformers": transformers.__version__,
         }
@@ -174,20 +209,10 @@ class HFEngine(Engine):
         ``engine.generate_batch_size`` prompts and 8 x ``engine.max_batch_tokens`` padded
         prompt + new tokens (the KV cache), longest first, seeded with ``sampling.seed``
         per call when sampling."""
-        from transformers import GenerationConfig
-
         if not prompts:
             return []
         do_sample = float(sampling.temperature) > 0
-        gen_cfg = GenerationConfig(
-            max_new_tokens=int(sampling.max_new_tokens),
-            do_sample=do_sample,
-            temperature=float(sampling.temperature) if do_sample else None,
-            top_p=float(sampling.top_p) if do_sample else None,
-            top_k=None,
-            eos_token_id=self.stop_ids,
-            pad_token_id=self.pad_id,
-        )
+        gen_cfg = generation_config(sampling, self.stop_ids, self.pad_id, self.static_generate)
         if do_sample:
             torch.manual_seed(int(sampling.seed))
         lengths = [len(p) for p in prompts]
@@ -198,8 +223,9 @@ class HFEngine(Engine):
         # a CPU batch of long prompts takes minutes: show it (terminals only; leaves no line behind)
         for idx in tqdm(batches, desc="generate", unit="batch", leave=False, disable=None if len(batches) > 1 else True,
                         file=sys.stderr):
-            width = max(lengths[i] for i in idx)
-            ids, mask = left_pad([prompts[i] for i in idx], self.pad_id)
+            ids, mask = left_pad([prompts[i] for i in idx], self.pad_id,
+                                 STATIC_WIDTH_MULTIPLE if self.static_generate else 1)
+            width = ids.shape[1]
             with self.generation_attention():
                 gen = self.model.generate(
                     input_ids=ids.to(self.device), attention_mask=mask.to(self.device), generation_config=gen_cfg
