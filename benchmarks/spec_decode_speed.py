@@ -87,15 +87,12 @@ def _aux_ids(layers: int) -> list[int]:
     return [2, layers // 2, layers - 3] if layers >= 6 else [1, max(1, layers // 2), layers]
 
 
-def _bootstrap_median(values: list[float], seed: int = 0, n: int = 2000):
-    import numpy as np
+def _bootstrap_median(values: list[float]):
+    """95% percentile-bootstrap interval of the median (the served evaluation's estimator)."""
+    from eagle3.evaluate.served_vllm_results import bootstrap_median_ci
 
-    if len(values) < 3:
-        return None
-    a = np.asarray(values, dtype=np.float64)
-    rng = np.random.default_rng(seed)
-    meds = np.median(a[rng.integers(0, len(a), size=(n, len(a)))], axis=1)
-    return [float(np.percentile(meds, 2.5)), float(np.percentile(meds, 97.5))]
+    ci = bootstrap_median_ci(values, seed=0)
+    return list(ci) if ci else None
 
 
 def main(argv=None) -> dict:

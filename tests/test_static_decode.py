@@ -58,6 +58,13 @@ class Recording:
         return self.inner.to_target(ids)
 
 
+def forced_run(runner, proposer, ref, settings):
+    """Decode PROMPT with ``proposer`` forced to draft ``ref``: ``(result, recorded calls)``."""
+    rec = Recording(proposer)
+    res = SpeculativeDecoder(runner, ForcedProposer(rec, ref), settings).generate(PROMPT)
+    return res, rec.calls
+
+
 # ----------------------------------------------------------------------------- SlotCache
 def test_slot_cache_writes_at_slots_moves_paths_and_refuses_overflow():
     c = SlotCache(num_layers=2, num_kv_heads=1, head_dim=2, max_len=6, dtype=torch.float32, device="cpu")
@@ -127,14 +134,9 @@ def test_static_drafter_gives_the_dynamic_drafters_logits_call_by_call(target, s
     ref = greedy_reference(target, PROMPT, n)
     s, _ = SpecSettings.make(steps, topk, ndt, max_new_tokens=n)
 
-    def run(runner, proposer):
-        rec = Recording(proposer)
-        res = SpeculativeDecoder(runner, ForcedProposer(rec, ref), s).generate(PROMPT)
-        return res, rec.calls
-
-    dyn, dcalls = run(TargetRunner(target, AUX), Eagle3Proposer(drafter, AUX))
-    sta, scalls = run(StaticTargetRunner(target, AUX, max_len=MAX_LEN),
-                      StaticEagle3Proposer(drafter, AUX, max_len=MAX_LEN))
+    dyn, dcalls = forced_run(TargetRunner(target, AUX), Eagle3Proposer(drafter, AUX), ref, s)
+    sta, scalls = forced_run(StaticTargetRunner(target, AUX, max_len=MAX_LEN),
+                             StaticEagle3Proposer(drafter, AUX, max_len=MAX_LEN), ref, s)
     assert sta.tokens == dyn.tokens == ref[len(PROMPT):]
     assert sta.accept_counts == dyn.accept_counts
     assert max(dyn.accept_counts) == steps  # forced: full rounds happen
@@ -202,3 +204,33 @@ def test_engine_generate_cache_setting_is_checked():
         HFEngine.__init__(object.__new__(HFEngine), model=None, tokenizer=SimpleNamespace(),
                           target=None, engine_cfg=SimpleNamespace(generate_cache="fast", attn_implementation="sdpa"),
                           device=torch.device("cpu"))
+
+
+# ------------------------------------------------------------------------- CUDA graphs
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("steps,topk,ndt", [(3, 1, 4), (3, 2, 6)])
+def test_cuda_graph_replay_gives_the_eager_dynamic_paths_tokens_and_logits(steps, topk, ndt):
+    """Float32 on the GPU: the static path with every decode step, verify pass, begin and draft
+    step replayed from CUDA graphs against the eager dynamic path."""
+    dev = torch.device("cuda")
+    tgt = tiny_target().to(dev)
+    drafter = tiny_drafter(tiny_target()).to(dev)
+    n = 50
+    ref = greedy_reference(tgt, PROMPT, n)
+    s, _ = SpecSettings.make(steps, topk, ndt, max_new_tokens=n)
+
+    dyn, dcalls = forced_run(TargetRunner(tgt, AUX), Eagle3Proposer(drafter, AUX), ref, s)
+    runner = StaticTargetRunner(tgt, AUX, max_len=MAX_LEN)
+    prop = StaticEagle3Proposer(drafter, AUX, max_len=MAX_LEN)
+    for _ in range(2):  # the second run replays graphs captured by the first
+        sta, scalls = forced_run(runner, prop, ref, s)
+        assert sta.tokens == dyn.tokens == ref[len(PROMPT):]
+        assert sta.accept_counts == dyn.accept_counts
+        for (_, _, _, a), (_, _, _, b) in zip(scalls, dcalls):
+            torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
+    assert runner.cuda_graphs and prop.cuda_graphs
+    assert ("chain", ndt) in runner._calls.captures or ("tree", ndt) in runner._calls.captures
+    begins = {k[1] for k in prop._begin_calls.captures}
+    assert len(begins) >= 2  # rounds verified different numbers of positions, each its own graph
+    base = target_generate(runner, PROMPT, s)  # the decode step's graph
+    assert base.tokens == ref[len(PROMPT):] and runner._decode_calls.captures == ["decode"]
