@@ -6,7 +6,10 @@ The bare pass is ``model(input_ids).logits`` (what any forward costs); the captu
 ``HFEngine.capture`` (aux hidden states through hooks, float32 top-k log-probs over the
 full vocabulary, copies to CPU). Both run on the same random full-length sequences;
 the ratio capture/bare tokens/s says what capturing costs. ``--device auto`` picks
-cuda when available.
+cuda when available. ``--random-shape`` uses a random-weight Llama of SmolLM2-135M's shape
+instead of a built target (speed does not depend on the weights; no chat template). The
+``top-k + log-probs`` line times the capture's ranking and log-probs alone on one
+``[chunk, V]`` float32 chunk (a capture batch of ``N`` tokens runs ``N / chunk`` of them).
 """
 
 from __future__ import annotations
@@ -36,6 +39,57 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+def _random_engine(eng_cfg, dtype: str):
+    """An HFEngine on a random-weight Llama of SmolLM2-135M's shape (aux ids 2, 15, 27)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from benchmarks.spec_decode_speed import SMOLLM2_135M
+    from eagle3.devices import resolve_device
+    from eagle3.engines.hf.engine import HFEngine
+    from eagle3.target import TargetInfo
+
+    class NoTemplate:  # the engine reads EOS, pad and (here absent) the end-of-turn marker
+        eos_token_id, pad_token_id = 0, 0
+
+        def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
+            return ""
+
+    device = resolve_device(eng_cfg.device)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**SMOLLM2_135M)
+    cfg._attn_implementation = eng_cfg.attn_implementation
+    model = LlamaForCausalLM(cfg).to(device=device, dtype=getattr(torch, dtype)).eval()
+    info = TargetInfo(name="random-smollm2-135m", source="random", path=None, architecture="LlamaForCausalLM",
+                      num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
+                      aux_layer_ids=[2, 15, 27], content_hash="random", quantization={}, dtype=dtype)
+    return HFEngine(model, NoTemplate(), info, eng_cfg, device)
+
+
+def _topk_step(engine, k: int, iters: int) -> dict:
+    """The capture's top-k and log-probs alone on one chunk of float32 logits (ms per chunk)."""
+    import torch.nn.functional as F
+
+    from eagle3.engines.hf.engine import LOGITS_CHUNK_BYTES
+    from eagle3.features.format import rank_top_k
+
+    V = engine.target.vocab_size
+    n = max(1, LOGITS_CHUNK_BYTES // (4 * V))
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(n, V, generator=g) * 3).to(torch.bfloat16).float().to(engine.device)  # bf16 values
+
+    def step():
+        ids, _ = rank_top_k(logits, k)
+        return F.log_softmax(logits, dim=-1).gather(-1, ids)
+
+    step()
+    _sync(engine.device)
+    t = time.perf_counter()
+    for _ in range(iters):
+        step()
+    _sync(engine.device)
+    return {"topk_rows": n, "topk_logprobs_ms": (time.perf_counter() - t) / iters * 1e3}
+
+
 def main(argv=None) -> dict:
     import eagle3  # noqa: F401
     from eagle3.config import HFEngineConfig
@@ -50,14 +104,19 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default=None, help="override model.dtype (e.g. float32 on CPUs without bf16)")
     ap.add_argument("--cache-dir", default=str(ROOT / "data" / "models"))
+    ap.add_argument("--random-shape", action="store_true", help="random SmolLM2-135M-shaped target")
     a = ap.parse_args(argv)
 
-    model_cfg = _model_cfg(a.model)
-    if a.dtype:
-        model_cfg.dtype = a.dtype
     B, T = a.batch_size, a.seq_len
     eng_cfg = HFEngineConfig(device=a.device, capture_batch_size=B, max_batch_tokens=B * T)
-    engine = HFEngine.from_config(model_cfg, eng_cfg, a.cache_dir)
+    if a.random_shape:
+        engine = _random_engine(eng_cfg, a.dtype or "bfloat16")
+        a.model = "random SmolLM2-135M shape"
+    else:
+        model_cfg = _model_cfg(a.model)
+        if a.dtype:
+            model_cfg.dtype = a.dtype
+        engine = HFEngine.from_config(model_cfg, eng_cfg, a.cache_dir)
     dev = engine.device
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, engine.target.vocab_size, (B, T), generator=g)
@@ -82,11 +141,13 @@ def main(argv=None) -> dict:
         dt = (time.perf_counter() - t) / a.iters
         out[name] = B * T / dt
     out["ratio"] = out["capture"] / out["bare_forward"]
+    out.update(_topk_step(engine, a.top_k, a.iters))
     print(
         f"{a.model} on {dev} ({engine.info()['dtype']}), batch {B} x {T} tokens, top-k {a.top_k}, {a.iters} iters\n"
         f"  bare forward : {out['bare_forward']:10.1f} tokens/s\n"
         f"  capture      : {out['capture']:10.1f} tokens/s\n"
-        f"  ratio        : {out['ratio']:10.3f} (capture / bare)"
+        f"  ratio        : {out['ratio']:10.3f} (capture / bare)\n"
+        f"  top-k + log-probs on one chunk of {out['topk_rows']} rows x V: {out['topk_logprobs_ms']:.2f} ms"
     )
     engine.close()
     return out
