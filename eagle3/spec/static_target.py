@@ -25,7 +25,6 @@ from typing import Optional, Sequence
 
 import torch
 
-from eagle3.errors import Eagle3Error
 from eagle3.spec.graphs import GraphedCall
 from eagle3.spec.slots import SlotCache, prefix_mask, tree_mask_over_slots
 from eagle3.spec.target import TargetRunner
