@@ -2,6 +2,8 @@
 
     python benchmarks/precision_drift.py --prompts 16 --max-new-tokens 64 --compute-dtype float32
     python benchmarks/precision_drift.py --vllm-url http://127.0.0.1:8200 --vllm-compare int4
+    python benchmarks/precision_drift.py --deployments bf16=smollm2-135m-bf16 rtn=smollm2-135m-int4 \
+        gptq=smollm2-135m-int4-gptq --pairs bf16:rtn bf16:gptq --loops 128   # which INT4 build to serve
 
 Deployments are ``label=<conf/model name>[@<compute dtype>]`` (default: ``bf16`` the BF16
 parent, ``int4`` the W4A16 build as the hf engine loads it, i.e. decompressed to
@@ -99,6 +101,17 @@ def _served(args, seqs, top1) -> dict:
             for label in args.vllm_compare}
 
 
+def _own_replies(args, models, toks) -> dict:
+    from eagle3.config import DataConfig
+    from eagle3.prompts import load_conversations
+    from eagle3.study.drift import first_user_turns, own_reply_diversity
+
+    ds = load_conversations(DataConfig(name=args.data, source=args.data)).filter(lambda r: r["split"] == "test")
+    prompts = first_user_turns(ds["messages"], args.prompts)
+    return {label: own_reply_diversity(models[label], toks[label], prompts, args.loops, args.max_prompt_tokens)
+            for label in models}
+
+
 def main(argv=None) -> dict:
     import eagle3  # noqa: F401
     from eagle3.io import write_json_atomic
@@ -119,6 +132,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--vllm-port", type=int, default=8200)
     ap.add_argument("--vllm-model", default="smollm2-135m-int4")
     ap.add_argument("--vllm-compare", nargs="+", default=["int4"], help="deployment labels to score the server against")
+    ap.add_argument("--loops", type=int, default=0, metavar="N",
+                    help="also let every deployment answer the prompts itself (N new tokens) and report its loop rate")
     ap.add_argument("--out", default="data/study/precision-drift.json")
     ap.add_argument("--plot", default="docs/img/precision-cosine.png")
     args = ap.parse_args(argv)
@@ -143,12 +158,17 @@ def main(argv=None) -> dict:
     result["pairs"] = measure_drift(models, seqs, [tuple(p.split(":")) for p in args.pairs], info.num_layers + 1, top1)
     if args.vllm_url or args.vllm_launch:
         result["served"] = _served(args, seqs, top1)
+    if args.loops:
+        result["own_replies"] = _own_replies(args, models, toks)
     result["seconds"] = round(time.time() - t0, 1)
     write_json_atomic(out, result)
     plot_cosine(result, args.plot)
     for scope in ("reply", "all"):
         print(f"\n[{scope} positions; {args.compute_dtype} compute; {len(seqs)} sequences]")
         print(format_table(result, scope))
+    for label, d in (result.get("own_replies") or {}).items():
+        print(f"own replies of {label}: {d['looping_outputs']}/{d['replies']} loop ({d['loop_fraction']:.0%}), "
+              f"distinct-2 {d['distinct_2']:.3f}, {d['ended']:.0%} ended, {d['reply_tokens']} tokens")
     print(f"\nwrote {out} and {args.plot} ({result['seconds']} s)")
     return result
 

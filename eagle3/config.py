@@ -41,8 +41,11 @@ class QuantizationConfig:
     ``method="w4a16-dequant"`` serves that W4A16 checkpoint's weights dequantised to a
     dense ``model.dtype`` folder (``scale * int``, no ``quantization_config``): the
     "BF16" deployment of a natively INT4 release, which differs from INT4 serving only
-    by kernel numerics (docs/precision-study.md). Validated by
-    ``eagle3.target.resolve.QUANTIZATION_METHODS``.
+    by kernel numerics (docs/precision-study.md). ``algorithm`` picks how the W4A16
+    weights are chosen from the dense ones: ``rtn`` rounds each to the nearest grid
+    point, ``gptq`` minimises each layer's output error on ShareGPT calibration
+    conversations (``eagle3/target/gptq.py``). Validated by
+    ``eagle3.target.resolve.QUANTIZATION_METHODS`` and ``QUANTIZATION_ALGORITHMS``.
     """
 
     method: str = "none"  # none | w4a16 | w4a16-dequant
@@ -52,6 +55,10 @@ class QuantizationConfig:
     format: str = "pack-quantized"
     ignore: list[str] = field(default_factory=lambda: ["lm_head"])
     prequantized: bool = False
+    algorithm: str = "rtn"  # rtn (round to nearest) | gptq (llmcompressor, calibrated): eagle3/target/gptq.py
+    calibration_samples: int = 64  # gptq: ShareGPT train conversations
+    calibration_max_tokens: int = 512  # gptq: tokens per calibration conversation
+    dampening: float = 0.01  # gptq: fraction of the mean Hessian diagonal added before inversion
 
 
 @dataclass

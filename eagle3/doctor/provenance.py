@@ -24,7 +24,8 @@ def _quant_text(q) -> str:
     """A quantization dict in a few words (``none``, ``w4a16 4-bit g32``)."""
     if not isinstance(q, dict) or q.get("method") in (None, "none"):
         return "none (dense)" if isinstance(q, dict) else "unknown"
-    return f"{q.get('method')} {q.get('bits')}-bit g{q.get('group_size')}"
+    algo = q.get("algorithm") or "rtn"
+    return f"{q.get('method')} {q.get('bits')}-bit g{q.get('group_size')}" + (f" {algo}" if algo != "rtn" else "")
 
 
 def template_row(meta: dict, template_hash: Optional[str]) -> dict:

@@ -56,13 +56,15 @@ def read_export_meta(drafter_dir: Path) -> dict:
 
 
 def _norm_quant(q: Any) -> dict:
-    """Quantization dicts compared on what changes numerics (method, bits, group, symmetry)."""
+    """Quantization dicts compared on what changes numerics (method, bits, group, symmetry,
+    algorithm: a dict without ``algorithm`` was written before GPTQ builds existed and is ``rtn``)."""
     if not isinstance(q, dict):
         return {}
     method = q.get("method", "none")
     if method in (None, "none"):
         return {"method": "none"}
-    return {k: q.get(k) for k in ("method", "bits", "group_size", "symmetric")}
+    return {**{k: q.get(k) for k in ("method", "bits", "group_size", "symmetric")},
+            "algorithm": q.get("algorithm") or "rtn"}
 
 
 def check_export(meta: dict, target_info, template_hash: Optional[str]) -> list[str]:

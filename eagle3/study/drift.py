@@ -175,3 +175,26 @@ def measure_drift(models: dict, sequences: list[dict], pairs: list[tuple[str, st
 def argmax_per_position(model, sequences: list[dict]) -> list[list[int]]:
     """The target's top-1 next token at every position of each sequence (``[T]`` ids per sequence)."""
     return [forward_states(model, s["input_ids"])[1].argmax(-1).tolist() for s in sequences]
+
+
+def own_reply_diversity(model, tok, prompts: list[list[dict]], max_new_tokens: int, max_prompt_tokens: int) -> dict:
+    """How a deployment's own greedy replies to ``prompts`` repeat themselves.
+
+    Each deployment answers the same prompts itself (:func:`build_sequences`), and the
+    replies are scored with evaluation's rules (:func:`eagle3.evaluate.metrics.diversity`:
+    a reply loops when one pattern repeats over at least 32 tokens and a quarter of it).
+    A target that loops inflates a drafter's tau and gives it little to learn.
+
+    Returns:
+        ``{replies, reply_tokens, looping_outputs, loop_fraction, distinct_2, ended}``;
+        ``ended`` is the fraction of replies that closed with an end-of-turn token.
+    """
+    from eagle3.evaluate.metrics import diversity
+
+    seqs = build_sequences(model, tok, prompts, max_new_tokens, max_prompt_tokens)
+    stop = set(end_of_turn_ids(tok))
+    replies = [s["input_ids"][s["prompt_len"]:] for s in seqs]
+    d = diversity(replies)
+    return {"replies": len(replies), "reply_tokens": sum(map(len, replies)),
+            "looping_outputs": d["looping_outputs"], "loop_fraction": d["loop_fraction"],
+            "distinct_2": d["distinct_2"], "ended": sum(bool(r) and r[-1] in stop for r in replies) / max(len(replies), 1)}

@@ -100,10 +100,18 @@ def quantize_w4a16_(model: torch.nn.Module, q: dict) -> int:
 
 
 def _build_w4a16(dense_dir: Path, q: dict, dtype: torch.dtype, out: Path) -> None:
-    """Quantise the dense HF folder ``dense_dir`` (W4A16) and save it ``pack-quantized``."""
+    """Quantise the dense HF folder ``dense_dir`` (W4A16) and save it ``pack-quantized``.
+
+    ``q['algorithm']``: ``rtn`` here (:func:`quantize_w4a16_`), ``gptq`` in
+    :func:`eagle3.target.gptq.build_gptq`.
+    """
     from compressed_tensors.compressors import ModelCompressor
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if q.get("algorithm", "rtn") == "gptq":
+        from eagle3.target.gptq import build_gptq
+
+        return build_gptq(dense_dir, q, dtype, out)
     model = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=dtype)
     n = quantize_w4a16_(model, q)
     if n == 0:

@@ -24,12 +24,15 @@ from eagle3.target.quantize import _build_dequant, _build_w4a16
 from eagle3.target.source import (
     _atomic_build,
     _dense_folder,
+    _is_package_source,
     _torch_dtype,
+    dense_folder_name,
     dequant_folder_name,
     quantized_folder_name,
 )
 
 QUANTIZATION_METHODS = ("none", "w4a16", "w4a16-dequant")
+QUANTIZATION_ALGORITHMS = ("rtn", "gptq")
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 
@@ -136,6 +139,13 @@ def target_folder(model_cfg, cache_dir) -> Optional[Path]:
         raise Eagle3Error(
             f"model.quantization.method '{q['method']}' is unknown; use one of {', '.join(QUANTIZATION_METHODS)}"
         )
+    q.setdefault("algorithm", "rtn")
+    if q["algorithm"] not in QUANTIZATION_ALGORITHMS:
+        raise Eagle3Error(f"model.quantization.algorithm '{q['algorithm']}' is unknown; "
+                          f"use one of {', '.join(QUANTIZATION_ALGORITHMS)}")
+    built = _built_package_target(model_cfg, q, cache_dir)
+    if built is not None:
+        return built
     dense = _dense_folder(model_cfg, cache_dir)
     if dense is None or q["method"] == "none" or (q["prequantized"] and q["method"] == "w4a16"):
         return dense
@@ -144,12 +154,31 @@ def target_folder(model_cfg, cache_dir) -> Optional[Path]:
     dtype = _torch_dtype(model_cfg.dtype)
     packed = dense
     if not q["prequantized"]:
+        what = f"W4A16 build ({q['algorithm']}) of {dense.name}"
         packed = _atomic_build(cache_dir / quantized_folder_name(dense.name, q),
-                               lambda tmp: _build_w4a16(dense, q, dtype, tmp), f"W4A16 build of {dense.name}")
+                               lambda tmp: _build_w4a16(dense, q, dtype, tmp), what)
     if q["method"] == "w4a16":
         return packed
     target = cache_dir / dequant_folder_name(packed.name, model_cfg.dtype)
     return _atomic_build(target, lambda tmp: _build_dequant(packed, dtype, tmp), f"dequantised build of {packed.name}")
+
+
+def _built_package_target(model_cfg, q: dict, cache_dir: Path) -> Optional[Path]:
+    """The finished build of a package-GGUF target already in ``cache_dir``, or None.
+
+    Builds are renamed into place only when complete (:func:`_atomic_build`), so an
+    existing folder is whole; taking it by name lets a machine that received the built
+    folder (but not the package that ships the GGUF) serve the same bytes.
+    """
+    if not _is_package_source(model_cfg.source):
+        return None
+    name = dense_folder_name(model_cfg)
+    if q["method"] in ("w4a16", "w4a16-dequant") and not q["prequantized"]:
+        name = quantized_folder_name(name, q)
+        if q["method"] == "w4a16-dequant":
+            name = dequant_folder_name(name, model_cfg.dtype)
+    folder = cache_dir / name
+    return folder if (folder / "config.json").is_file() else None
 
 
 def _check_field(model_cfg, name: str, actual: Optional[int]) -> int:

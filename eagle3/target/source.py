@@ -91,7 +91,10 @@ def dense_folder_name(model_cfg) -> str:
 def quantized_folder_name(dense_name: str, q: dict) -> str:
     """Cache folder name of a W4A16 build made from the dense folder ``dense_name``."""
     sym = "sym" if q["symmetric"] else "asym"
-    return f"{dense_name}-w{q['bits']}a16-g{q['group_size']}-{sym}"
+    name = f"{dense_name}-w{q['bits']}a16-g{q['group_size']}-{sym}"
+    if q.get("algorithm", "rtn") == "gptq":
+        name += f"-gptq{q['calibration_samples']}x{q['calibration_max_tokens']}-d{q['dampening']:g}"
+    return name
 
 
 def dequant_folder_name(packed_name: str, dtype: str) -> str:
