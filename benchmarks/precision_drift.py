@@ -2,8 +2,8 @@
 
     python benchmarks/precision_drift.py --prompts 16 --max-new-tokens 64 --compute-dtype float32
     python benchmarks/precision_drift.py --vllm-url http://127.0.0.1:8200 --vllm-compare int4
-    python benchmarks/precision_drift.py --deployments bf16=smollm2-135m-bf16 rtn=smollm2-135m-int4 \
-        gptq=smollm2-135m-int4-gptq --pairs bf16:rtn bf16:gptq --loops 128   # which INT4 build to serve
+    python benchmarks/precision_drift.py --deployments bf16=smollm2-135m-bf16 rtn=smollm2-135m-int4-rtn \
+        gptq=smollm2-135m-int4 --pairs bf16:rtn bf16:gptq --loops 128   # which INT4 build to serve
 
 Deployments are ``label=<conf/model name>[@<compute dtype>]`` (default: ``bf16`` the BF16
 parent, ``int4`` the W4A16 build as the hf engine loads it, i.e. decompressed to

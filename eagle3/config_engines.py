@@ -24,7 +24,9 @@ class HFEngineConfig:
     capture_batch_size: Optional[int] = None  # sequences per batched capture forward
     max_batch_tokens: Optional[int] = None  # padded tokens per capture forward (caps memory)
     # Generation KV cache: static = transformers' StaticCache, decode step compiled with CUDA
-    # graphs on CUDA; dynamic = DynamicCache, eager; auto = static on CUDA, dynamic on CPU.
+    # graphs on CUDA; dynamic = DynamicCache, eager; auto = dynamic: on real extraction (varied
+    # prompt lengths, several workers compiling on shared CPU cores) static measured 2.7x slower
+    # on one H200 (docs/performance.md); it wins only at fixed shapes (benchmarks/regenerate_speed.py).
     generate_cache: str = "auto"
     # Evaluation's batch-1 decoding (baseline and speculative): static = preallocated KV caches
     # for target and drafter (eagle3.spec.slots), forwards replayed from CUDA graphs on CUDA

@@ -5,10 +5,12 @@ tokenizer's pad id; attention mask given, so transformers derives position ids f
 it), greedy unless ``temperature > 0``, stopping at EOS or the template's end-of-turn
 token. On a CPU with ``attn_implementation=sdpa`` the decode steps use the GQA decode
 attention of :mod:`eagle3.engines.hf.attention` (prefill stays ``sdpa``); recorded as
-``generate_attn`` in :meth:`HFEngine.info`. On CUDA (``engine.generate_cache=auto``) the
+``generate_attn`` in :meth:`HFEngine.info`. With ``engine.generate_cache=static`` the
 KV cache is transformers' ``StaticCache`` and transformers compiles the decode step
-(CUDA graphs); prompts are then padded to a multiple of 64 so batches share compiled
-shapes (``generate_cache`` in :meth:`HFEngine.info`).
+(CUDA graphs on CUDA); prompts are then padded to a multiple of 64 so batches share
+compiled shapes (``generate_cache`` in :meth:`HFEngine.info`). ``auto`` (the default) is
+the dynamic cache: on real extraction the compilations cost more than they save
+(docs/performance.md).
 
 Capture: one forward pass of the base model per length-sorted batch with right
 padding, an explicit attention mask and position ids ``0..len-1``, so every real token
@@ -139,7 +141,7 @@ class HFEngine(Engine):
         cache = getattr(engine_cfg, "generate_cache", "auto") or "auto"
         if cache not in ("auto", "dynamic", "static"):
             raise Eagle3Error(f"engine.generate_cache={cache!r}: use auto, dynamic or static")
-        self.static_generate = cache == "static" or (cache == "auto" and device.type == "cuda")
+        self.static_generate = cache == "static"
         self.model = model
         self.tokenizer = tokenizer
         self.target = target
