@@ -379,3 +379,39 @@ def test_the_default_sglang_drafter_dir_resolves_to_the_vllm_export_beside_it(tm
     lone.mkdir(parents=True)
     assert vllm_export_dir(lone) == lone  # no vLLM export beside it: given as is, refused later with the fix
     assert vllm_export_dir(vl) == vl
+
+
+# ------------------------------------------------------------ CPU instruction-set preflight
+def _folder(tmp_path, quantized: bool):
+    import json
+
+    cfg = {"architectures": ["LlamaForCausalLM"]}
+    if quantized:  # the shape of a compressed-tensors W4A16 config (as eagle3.target.quantize writes it)
+        cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                      "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
+                                                                    "weights": {"num_bits": 4, "type": "int"}}}}
+    d = tmp_path / ("int4" if quantized else "dense")
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))
+    return str(d)
+
+
+def test_a_w4a16_target_on_a_cpu_without_avx512_is_refused_before_the_server_starts(tmp_path):
+    from eagle3.engines.vllm.launch import check_cpu_can_serve
+
+    int4, dense = _folder(tmp_path, True), _folder(tmp_path, False)
+    avx2 = {"fpu", "sse4_2", "avx", "avx2", "fma"}
+    with pytest.raises(Eagle3Error, match="no AVX-512.*cpu_gemm_wna16.*model=smollm2-135m-int4-dequant"):
+        check_cpu_can_serve(int4, "cpu", flags=avx2)
+    check_cpu_can_serve(int4, "cpu", flags=avx2 | {"avx512f", "avx512_bf16"})  # the kernel's build
+    check_cpu_can_serve(dense, "cpu", flags=avx2)  # a dense bf16 model needs no INT4 kernel
+    check_cpu_can_serve(int4, "cuda", flags=avx2)  # a GPU build runs Marlin, not the CPU kernel
+
+
+def test_cpu_flags_are_read_from_the_flags_line(tmp_path):
+    from eagle3.engines.vllm.launch import cpu_flags
+
+    f = tmp_path / "cpuinfo"
+    f.write_text("processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx avx2 fma\n\nprocessor\t: 1\n")
+    assert cpu_flags(str(f)) == {"fpu", "avx", "avx2", "fma"}
+    assert cpu_flags(str(tmp_path / "missing")) is None

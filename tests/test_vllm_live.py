@@ -22,12 +22,16 @@ import pytest
 
 from eagle3.config import VLLMEngineConfig
 from eagle3.engines.vllm import spec_counters, speculative_config, start_vllm
+from eagle3.engines.vllm.launch import cpu_flags
 from eagle3.export import read_vllm_export
 
 PY = os.environ.get("EAGLE3_VLLM_PYTHON")
+_FLAGS = cpu_flags()
 pytestmark = [
     pytest.mark.live,
     pytest.mark.skipif(not PY, reason="set EAGLE3_VLLM_PYTHON to vLLM's python to run live vLLM tests"),
+    pytest.mark.skipif(_FLAGS is not None and "avx512f" not in _FLAGS,
+                       reason="this CPU has no AVX-512: vLLM's CPU INT4 kernel (cpu_gemm_wna16) is not in its AVX2 build"),
 ]
 ROOT = Path(__file__).resolve().parents[1]
 PORT = int(os.environ.get("EAGLE3_VLLM_PORT", "8180"))

