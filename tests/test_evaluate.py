@@ -58,6 +58,13 @@ def test_check_export():
     with pytest.raises(Eagle3Error, match="chat template"):
         check_export(meta, info, "sha256:t2")
     assert "no eagle3_meta.json" in check_export({}, info, "x")[0]
+    # the int4 weights chosen by GPTQ are another target than round-to-nearest's (a quantization
+    # dict written before the algorithm was recorded is round-to-nearest)
+    gptq = {**meta, "target": {**meta["target"], "quantization": {**meta["target"]["quantization"], "algorithm": "gptq"}}}
+    (w,) = check_export(gptq, info, "sha256:t1")
+    assert "'algorithm': 'gptq'" in w and "'algorithm': 'rtn'" in w
+    rtn = {**meta, "target": {**meta["target"], "quantization": {**meta["target"]["quantization"], "algorithm": "rtn"}}}
+    assert check_export(rtn, info, "sha256:t1") == []
 
 
 # ----------------------------------------------------------------------------- hf loop on tiny models

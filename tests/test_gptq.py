@@ -45,6 +45,7 @@ def _dequantized(folder):
                                                 quantization_config=CompressedTensorsConfig(dequantize=True))
 
 
+@torch.no_grad()
 def _layer0_error(dense, quant, x: torch.Tensor) -> dict:
     """``||x W^T - x Q^T||^2`` per projection of layer 0 (x: layer 0's normalised input)."""
     out = {}

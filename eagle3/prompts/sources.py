@@ -33,7 +33,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable
 
-from eagle3.target import validate_messages
+from eagle3.messages import validate_messages
 from eagle3.errors import Eagle3Error
 
 SHAREGPT_ROLES = {

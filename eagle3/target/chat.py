@@ -27,27 +27,9 @@ import hashlib
 from typing import Optional, Sequence
 
 from eagle3.errors import Eagle3Error
+from eagle3.messages import ROLES, validate_messages  # noqa: F401  (re-exported by eagle3.target)
 
-ROLES = ("system", "user", "assistant")
 _SENTINEL = "EAGLE3_SENTINEL_CONTENT"
-
-
-def validate_messages(messages: Sequence[dict], where: str = "conversation") -> None:
-    """Check a conversation: non-empty, known roles, string contents, a user turn first.
-
-    Raises:
-        Eagle3Error: naming ``where`` (a file and line, or a sample id) and the problem.
-    """
-    if not messages:
-        raise Eagle3Error(f"{where}: the conversation is empty; give at least one user message")
-    for m in messages:
-        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-            raise Eagle3Error(
-                f"{where}: every message needs a role in {list(ROLES)} and a string content, got {str(m)[:80]!r}"
-            )
-    first = next((m["role"] for m in messages if m["role"] != "system"), None)
-    if first != "user":
-        raise Eagle3Error(f"{where}: the conversation has no user turn before the first assistant turn; start it with a user message")
 
 
 def _render(tokenizer, messages, add_generation_prompt: bool) -> str:

@@ -56,11 +56,13 @@ def calibration_ids(tokenizer, num_samples: int, max_tokens: int, min_tokens: in
                       f"lower model.quantization.calibration_samples to {len(rows)} or fewer")
 
 
-def gptq_quantize_(model: torch.nn.Module, q: dict, samples: list[list[int]]) -> None:
+def gptq_quantize_(model: torch.nn.Module, q: dict, samples: list[list[int]], qconfig) -> None:
     """Quantise ``model`` in place with GPTQ (llmcompressor ``oneshot``, sequential pipeline).
 
-    ``q`` is the quantization dict (``bits``, ``group_size``, ``symmetric``, ``format``,
-    ``ignore``, ``dampening``); ``samples`` the calibration token ids. Afterwards every
+    ``q`` is the quantization dict (``ignore``, ``dampening``); ``qconfig`` its
+    compressed-tensors ``QuantizationConfig``
+    (:func:`eagle3.target.quantize.w4a16_quantization_config`); ``samples`` the
+    calibration token ids. Afterwards every
     targeted Linear carries ``weight_scale`` [out, in/group] (and ``weight_zero_point``)
     and a weight on that grid, ready for compressed-tensors' ``pack-quantized`` compressor.
 
@@ -74,9 +76,7 @@ def gptq_quantize_(model: torch.nn.Module, q: dict, samples: list[list[int]]) ->
     except ImportError as e:
         raise Eagle3Error("model.quantization.algorithm=gptq needs llmcompressor: "
                           "pip install llmcompressor==0.14.0.1 (or use algorithm=rtn)") from e
-    from eagle3.target.quantize import w4a16_quantization_config
-
-    scheme = w4a16_quantization_config(q).config_groups["group_0"]
+    scheme = qconfig.config_groups["group_0"]
     recipe = GPTQModifier(config_groups={"group_0": scheme}, ignore=list(q["ignore"]),
                           dampening_frac=float(q["dampening"]))
     ds = datasets.Dataset.from_dict({"input_ids": samples, "attention_mask": [[1] * len(s) for s in samples]})
@@ -86,8 +86,9 @@ def gptq_quantize_(model: torch.nn.Module, q: dict, samples: list[list[int]]) ->
             num_calibration_samples=len(samples), pipeline="sequential")
 
 
-def build_gptq(dense_dir: Path, q: dict, dtype: torch.dtype, out: Path) -> None:
-    """Write ``out``: the GPTQ W4A16 ``pack-quantized`` build of the dense HF folder ``dense_dir``."""
+def build_gptq(dense_dir: Path, q: dict, dtype: torch.dtype, out: Path, qconfig) -> None:
+    """Write ``out``: the GPTQ W4A16 ``pack-quantized`` build of the dense HF folder ``dense_dir``
+    under the compressed-tensors ``qconfig`` (as :func:`gptq_quantize_`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(dense_dir)
@@ -99,7 +100,7 @@ def build_gptq(dense_dir: Path, q: dict, dtype: torch.dtype, out: Path) -> None:
     if torch.cuda.is_available():
         model = model.to("cuda")
     torch.manual_seed(0)
-    gptq_quantize_(model, q, samples)
+    gptq_quantize_(model, q, samples, qconfig)
     model = model.to(device="cpu", dtype=dtype)
     model.save_pretrained(out, save_compressed=True)
     tok.save_pretrained(out)

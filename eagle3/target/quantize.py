@@ -111,7 +111,7 @@ def _build_w4a16(dense_dir: Path, q: dict, dtype: torch.dtype, out: Path) -> Non
     if q.get("algorithm", "rtn") == "gptq":
         from eagle3.target.gptq import build_gptq
 
-        return build_gptq(dense_dir, q, dtype, out)
+        return build_gptq(dense_dir, q, dtype, out, w4a16_quantization_config(q))
     model = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=dtype)
     n = quantize_w4a16_(model, q)
     if n == 0:
