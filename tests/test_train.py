@@ -105,6 +105,8 @@ def test_learns_the_toy_task_and_writes_metrics_and_exports(tmp_path):
     assert len(val["step_acc"]) == 3 and len(val["step_loss"]) == 3 and val["samples"] == 6
     # a deterministic successor rule: after 60 full-batch steps the drafter is far above chance (1/64)
     assert val["step_acc"][0] > 0.3 and val["tau"] > 1.2, val
+    # the serving replay visits fewer chains (one per verify pass) and stays within a chain's bounds
+    assert 0 < val["replay_chains"] < val["chains"] and 1.0 < val["replay_tau"] <= 4.0, val
     assert saved["skipped_nonfinite"] == 2 * epochs  # two NaN samples, skipped in each epoch
     assert saved["tokens_per_s"] > 0 and saved["peak_memory_gb"] > 0 and saved["mixed_precision"] == "no"
     assert 0 < saved["draft_vocab_coverage"] <= 1

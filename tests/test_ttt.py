@@ -188,6 +188,30 @@ def test_simulated_acceptance_length():
     assert m["step_loss"] == [0.5, 0.25, 0.25] and abs(m["loss"] - (0.5 + 0.8 * 0.25 + 0.64 * 0.25)) < 1e-12
 
 
+def test_serving_replay_starts_chains_where_a_speculative_decoder_does():
+    """Hand-computed walks: a chain at row q with n accepted drafts emits n + 1 tokens and
+    the next chain starts at row q + n + 1; the first chain of a reply x[P..E] (chain-start
+    rows P-2 .. E-2) is at row P - 1."""
+    from eagle3.train.replay import serving_replay
+
+    T = 12
+    starts = torch.zeros(2, T, dtype=torch.bool)
+    acc = torch.zeros(2, T)
+    # sample 0: one reply x[4..10] -> chain-start rows 2..8
+    starts[0, 2:9] = True
+    acc[0, 2:9] = torch.tensor([3.0, 1, 0, 3, 2, 0, 1])
+    # sample 1: two replies -> rows 1..3 and 6..9
+    starts[1, 1:4] = True
+    starts[1, 6:10] = True
+    acc[1, 1:4] = torch.tensor([3.0, 0, 2])
+    acc[1, 6:10] = torch.tensor([3.0, 0, 1, 3])
+    a, c = serving_replay(acc.flatten(), starts.flatten(), T)
+    # sample 0: q=3 (n=1) -> q=5 (n=3) -> q=9 >= 9: stop.  sample 1: q=2 (0) -> q=3 (2) -> q=6 >= 4;
+    # then q=7 (0) -> q=8 (1) -> q=10 >= 10: stop
+    assert (a, c) == (1 + 3 + 0 + 2 + 0 + 1, 6)
+    assert 1 + a / c != 1 + acc[starts].sum().item() / starts.sum().item()  # not the every-position average
+
+
 def test_chain_row_pruning_changes_nothing_but_the_work():
     """Steps >= 1 on the compact chain rows give the same logits, loss and gradients
     as running every step on every row."""

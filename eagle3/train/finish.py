@@ -88,8 +88,9 @@ def finish(run: Run, progress: Progress) -> dict:
     acc.wait_for_everyone()  # leave together: a process group torn down while a peer still exports can hang
     acc.end_training()
     if last_val is not None:
-        log.info("validation: acc per step %s, simulated tau %.3f",
-                 [round(a, 3) for a in last_val["step_acc"]], last_val["tau"])
+        log.info("validation: acc per step %s, simulated tau %.3f, serving-replay tau %s",
+                 [round(a, 3) for a in last_val["step_acc"]], last_val["tau"],
+                 "-" if last_val.get("replay_tau") is None else f"{last_val['replay_tau']:.3f}")
     return metrics
 
 
@@ -196,7 +197,7 @@ def _record_sweep_job(metrics: dict) -> None:
     except ImportError:
         return
     val = metrics.get("validation") or {}
-    summary: dict[str, Any] = {"tau": val.get("tau"), "val_loss": val.get("loss")}
+    summary: dict[str, Any] = {"tau": val.get("tau"), "replay_tau": val.get("replay_tau"), "val_loss": val.get("loss")}
     for j, a in enumerate(val.get("step_acc") or []):
         summary[f"acc_{j}"] = a
     summary["tokens_per_s"] = metrics.get("tokens_per_s")

@@ -274,6 +274,8 @@ class TTTOutput:
         step_stats: ``[J, 3]`` float32 sums per step: (KL sum, loss rows, correct).
         accepted: scalar float32, sum over chain starts of accepted draft steps.
         num_chains: number of chain starts (python int).
+        accepted_rows: ``[B*T]`` float32, accepted draft steps of the chain at each row
+            (0 where no chain starts; :func:`chain_acceptance`).
         logits: per step ``[N_j, Vd]`` logits of the loss rows (only with
             ``return_logits``; for tests).
     """
@@ -282,6 +284,7 @@ class TTTOutput:
     step_stats: torch.Tensor
     accepted: torch.Tensor
     num_chains: int
+    accepted_rows: torch.Tensor | None = None
     logits: list | None = None
 
 
@@ -350,13 +353,9 @@ def ttt_forward(
             hits.append(hit)
         if return_logits:
             all_logits.append(logits.detach())
-    return TTTOutput(
-        loss=loss,
-        step_stats=stats,
-        accepted=chain_acceptance(hits, batch["chain_starts"]).sum(),
-        num_chains=int(batch["num_chains"]),
-        logits=all_logits,
-    )
+    acc_rows = chain_acceptance(hits, batch["chain_starts"])
+    return TTTOutput(loss=loss, step_stats=stats, accepted=acc_rows.sum(), num_chains=int(batch["num_chains"]),
+                     accepted_rows=acc_rows, logits=all_logits)
 
 
 class TTTModel(nn.Module):

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from eagle3.train.replay import serving_replay
 from eagle3.train.ttt import TTTModel, batch_to, summarize
 
 if TYPE_CHECKING:
@@ -27,12 +28,14 @@ def evaluate(accelerator, model: TTTModel, loader, step_weight: float) -> Option
     Every process evaluates its own batches under ``accelerator.autocast()`` and the
     statistics are summed over processes (``accelerator.reduce``), so every process gets
     the metrics of all the batches: ``loss``, per-step ``step_loss``/``step_acc``,
-    simulated ``tau`` and ``samples``. The drafter's train/eval mode is restored.
+    simulated ``tau`` (a chain from every reply position), ``replay_tau`` and
+    ``replay_chains`` (chains where serving starts them: :mod:`eagle3.train.replay`) and
+    ``samples``. The drafter's train/eval mode is restored.
     """
     drafter = accelerator.unwrap_model(model).drafter
     was_training = drafter.training
     drafter.eval()
-    stats, accepted, chains, samples = None, None, 0, 0
+    stats, accepted, chains, samples, replay = None, None, 0, 0, [0, 0]
     for batch in loader:
         if not batch["sample_ids"]:
             continue
@@ -43,13 +46,18 @@ def evaluate(accelerator, model: TTTModel, loader, step_weight: float) -> Option
         accepted = out.accepted if accepted is None else accepted + out.accepted
         chains += out.num_chains
         samples += len(batch["sample_ids"])
+        a, c = serving_replay(out.accepted_rows, batch["chain_starts"], batch["input_ids"].shape[1])
+        replay = [replay[0] + a, replay[1] + c]
     drafter.train(was_training)
     if stats is None:
         return None
-    totals = accelerator.reduce(torch.tensor([float(accepted), chains, samples], device=stats.device), "sum")
+    totals = accelerator.reduce(torch.tensor([float(accepted), chains, samples, *replay], device=stats.device,
+                                             dtype=torch.float64), "sum")
     stats = accelerator.reduce(stats, "sum")
     m = summarize(stats, float(totals[0]), int(totals[1]), step_weight)
     m["samples"] = int(totals[2])
+    m["replay_tau"] = 1.0 + float(totals[3]) / float(totals[4]) if totals[4] else None
+    m["replay_chains"] = int(totals[4])
     return m
 
 
@@ -61,9 +69,12 @@ def validate(run: "Run", step: int) -> Optional[dict]:
     m = evaluate(run.accelerator, run.model, run.loader(run.val_ds, run.val_batches), run.cfg.drafter.step_weight)
     if m is not None:
         logs = {"val/loss": m["loss"], "val/tau": m["tau"]}
+        if m["replay_tau"] is not None:
+            logs["val/replay_tau"] = m["replay_tau"]
         for j, a in enumerate(m["step_acc"]):
             logs[f"val/acc_{j}"] = a
         run.accelerator.log(logs, step=step)
-        log.info("step %d validation: loss %.4f, acc %s, tau %.3f", step, m["loss"],
-                 [round(a, 3) for a in m["step_acc"]], m["tau"])
+        log.info("step %d validation: loss %.4f, acc %s, tau %.3f (serving replay %s)", step, m["loss"],
+                 [round(a, 3) for a in m["step_acc"]], m["tau"],
+                 "-" if m["replay_tau"] is None else f"{m['replay_tau']:.3f}")
     return m
