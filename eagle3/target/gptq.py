@@ -19,6 +19,7 @@ each cut to ``quantization.calibration_max_tokens`` tokens.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -79,11 +80,23 @@ def gptq_quantize_(model: torch.nn.Module, q: dict, samples: list[list[int]], qc
     scheme = qconfig.config_groups["group_0"]
     recipe = GPTQModifier(config_groups={"group_0": scheme}, ignore=list(q["ignore"]),
                           dampening_frac=float(q["dampening"]))
+    from loguru import logger as loguru_logger
+
     ds = datasets.Dataset.from_dict({"input_ids": samples, "attention_mask": [[1] * len(s) for s in samples]})
     max_len = max(len(s) for s in samples)
-    log.info("GPTQ: %d calibration sequences, %d tokens", len(samples), sum(map(len, samples)))
-    oneshot(model=model, dataset=ds, recipe=recipe, max_seq_length=max_len,
-            num_calibration_samples=len(samples), pipeline="sequential")
+    log.info("GPTQ: %d calibration sequences, %d tokens, one decoder layer at a time (progress bars below)",
+             len(samples), sum(map(len, samples)))
+    t0 = time.monotonic()
+    quiet = ("llmcompressor", "compressed_tensors")  # three INFO lines per Linear otherwise
+    for name in quiet:
+        loguru_logger.disable(name)
+    try:
+        oneshot(model=model, dataset=ds, recipe=recipe, max_seq_length=max_len,
+                num_calibration_samples=len(samples), pipeline="sequential")
+    finally:
+        for name in quiet:
+            loguru_logger.enable(name)
+    log.info("GPTQ done in %.0f s", time.monotonic() - t0)
 
 
 def build_gptq(dense_dir: Path, q: dict, dtype: torch.dtype, out: Path, qconfig) -> None:
