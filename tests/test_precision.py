@@ -190,3 +190,20 @@ def test_format_table_lists_every_pair():
     assert text[0].split() == ["pair", "(a:b)", "tokens", "cos@2", "cos@4", "relL2@2", "relL2@4", "top1", "KL(a||b)"]
     assert text[2].split() == ["a:b", "3", "0.99000", "0.90000", "0.1000", "0.3000", "50.0%", "0.2500"]
     assert text[3].split()[0] == "vllm:a" and text[3].split()[-2:] == ["100.0%", "-"]
+
+
+def test_chunked_states_equal_the_full_forward_in_float32(tiny_target_dir, tmp_path):
+    """Prefill + verify-shaped chunks over a KV cache compute what one full forward does:
+    equal in float32 up to rounding, for chunk sizes that do and do not divide the reply."""
+    from eagle3.study.drift import chunked_states, forward_states
+
+    model, _, _ = load_target(ModelConfig(name="tiny", source=str(tiny_target_dir), dtype="float32"), tmp_path)
+    ids = torch.randint(0, 1000, (23,), generator=torch.Generator().manual_seed(0)).tolist()
+    full_s, full_l = forward_states(model, ids)
+    for chunk in (1, 4, 7):
+        s, lg = chunked_states(model, ids, prompt_len=9, chunk=chunk)
+        assert s.shape == full_s.shape and lg.shape == full_l.shape
+        assert torch.allclose(s, full_s, atol=1e-4, rtol=1e-4) and torch.allclose(lg, full_l, atol=1e-4, rtol=1e-4)
+    # and it is not the same call: a wrong position offset in the chunks breaks the equality
+    s_wrong = torch.cat([forward_states(model, ids[:9])[0], forward_states(model, ids[9:])[0]], 1)
+    assert not torch.allclose(s_wrong, full_s, atol=1e-3)

@@ -198,3 +198,30 @@ def own_reply_diversity(model, tok, prompts: list[list[dict]], max_new_tokens: i
     return {"replies": len(replies), "reply_tokens": sum(map(len, replies)),
             "looping_outputs": d["looping_outputs"], "loop_fraction": d["loop_fraction"],
             "distinct_2": d["distinct_2"], "ended": sum(bool(r) and r[-1] in stop for r in replies) / max(len(replies), 1)}
+
+
+@torch.no_grad()
+def chunked_states(model, input_ids: list[int], prompt_len: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """As :func:`forward_states`, computed the way a server computes them: one prefill of
+    the prompt, then the rest in forwards of ``chunk`` tokens over a KV cache (``chunk`` =
+    num draft tokens: verify-pass shaped; 1: plain decode steps).
+
+    Extraction runs one full-sequence forward; serving feeds the drafter features from
+    verify passes. Same weights and tokens, other kernels and accumulation orders: the
+    difference is a train/serve gap in the drafter's input (docs/precision-study.md).
+
+    Returns:
+        ``(states [L+1, T, H], logits [T, V])``, float32, CPU, as :func:`forward_states`.
+    """
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    T = len(input_ids)
+    bounds = sorted({0, min(prompt_len, T), *range(prompt_len, T, chunk), T})
+    states, logits = [], []
+    for s, e in zip(bounds, bounds[1:]):
+        out = model(input_ids=torch.tensor([input_ids[s:e]]), position_ids=torch.arange(s, e)[None],
+                    past_key_values=cache, use_cache=True, output_hidden_states=True)
+        states.append(torch.stack([h[0] for h in out.hidden_states]).float())  # [L+1, e-s, H]
+        logits.append(out.logits[0].float())
+    return torch.cat(states, 1), torch.cat(logits, 0)
