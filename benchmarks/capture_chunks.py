@@ -67,9 +67,10 @@ def main(argv=None) -> dict:
         for c, pa in acc.items():
             result["pairs"][f"full:chunks of {c} ({dtype})"] = {"reply": pa.summary()}
     result["seconds"] = round(time.time() - t0, 1)
-    write_json_atomic(Path(args.out), result)
     print(f"\n[reply positions; {len(seqs)} sequences of {args.model}; full forward vs prefill + chunks]")
     print(format_table(result, "reply"))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(Path(args.out), result)
     print(f"\nwrote {args.out} ({result['seconds']} s)")
     return result
 

@@ -146,6 +146,7 @@ def main(argv=None) -> dict:
     toks = {k: v[1] for k, v in loaded.items()}
     info = loaded[deps[0].label][2]
     out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     seqs = _sequences(args, deps, models, toks, out.with_name(out.stem + "-sequences.json"))
     result = {
         "target": info.name, "aux_layer_ids": info.aux_layer_ids, "compute_dtype": args.compute_dtype,
