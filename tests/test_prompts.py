@@ -160,6 +160,21 @@ def test_sharegpt_benchmark_is_the_test_split_and_refuses_leaks():
         load_benchmark("sharegpt", cfg, leaked)
 
 
+def test_gsm8k_benchmark_leaves_out_what_was_trained_on():
+    # a drafter trained on data=gsm8k features (train + validation splits) is evaluated on
+    # the rest: exactly the ids whose split (sha256 of seed:id) is test
+    ds = load_conversations(DataConfig(name="gsm8k", source="gsm8k"))
+    splits = {s: [i for i, sp in zip(ds["id"], ds["split"]) if sp == s] for s in ("train", "validation", "test")}
+    manifest = {"plan": [[i, "train"] for i in splits["train"][:10]], "splits": splits}
+    g = load_benchmark("gsm8k", BenchmarksConfig(limit=None), manifest)
+    expected = [f"gsm8k-{k}" for k in range(1319) if split_of(f"gsm8k-{k}", 0, 0.02, 0.05) == "test"]
+    assert g["id"] == expected and 40 < len(expected) < 100
+    # a manifest of other data leaves every GSM8K prompt in
+    other = {"plan": [["sharegpt-x", "train"]], "splits": {"train": ["sharegpt-x"]}}
+    assert len(load_benchmark("gsm8k", BenchmarksConfig(limit=None), other)) == 1319
+    assert load_benchmark("gsm8k", BenchmarksConfig(limit=5), manifest)["id"] == expected[:5]
+
+
 def _bad_utf8(path, first: bytes, second_head: bytes):
     """Write ``first`` then a line ``second_head + b"\\xff..."``; return the bad byte's offset."""
     path.write_bytes(first + second_head + b'\xff\xfe"]}\n')

@@ -43,7 +43,8 @@ def load_benchmarks(cfg, names: Sequence[str], train_manifest: Optional[dict]) -
         cfg: the ``EvaluateConfig`` (its ``data`` section names sources and the limit).
         names: from :func:`benchmark_names`.
         train_manifest: from :func:`eagle3.evaluate.provenance.load_train_manifest`
-            (held-out ShareGPT prompts that were trained on are refused), or None.
+            (held-out ShareGPT prompts that were trained on are refused; GSM8K,
+            HumanEval and MT-Bench prompts that were trained on are left out), or None.
 
     Raises:
         Eagle3Error: a benchmark without prompts, or as
@@ -57,6 +58,7 @@ def load_benchmarks(cfg, names: Sequence[str], train_manifest: Optional[dict]) -
         if cfg.data.limit is not None and len(ds) > cfg.data.limit:
             ds = ds.select(range(cfg.data.limit))
         if len(ds) == 0:
-            raise Eagle3Error(f"benchmark {name} has no prompts; check data.limit and its source")
+            raise Eagle3Error(f"benchmark {name} has no prompts left (every one was trained on, or none in its source); "
+                              f"drop {name} from data.names or evaluate a drafter whose features keep a test split of it")
         out[name] = ds
     return out

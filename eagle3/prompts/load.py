@@ -104,14 +104,27 @@ def select_for_extraction(ds: datasets.Dataset, splits, limit: Optional[int]) ->
     return ds.select(keep)
 
 
+def trained_ids(train_manifest: dict) -> set[str]:
+    """Sample ids a drafter's features may have trained on: the manifest's ``plan`` and
+    its ``train`` and ``validation`` splits (of the whole source, extracted or not)."""
+    ids = {p[0] for p in train_manifest.get("plan", [])}
+    for split in ("train", "validation"):
+        ids.update((train_manifest.get("splits") or {}).get(split, []))
+    return ids
+
+
 def load_benchmark(name: str, bench_cfg, train_manifest: Optional[dict] = None) -> datasets.Dataset:
     """Evaluation prompts of one benchmark: columns ``id``, ``messages`` (user turns
     only; MT-Bench has two), ``category`` (MT-Bench category, else "").
 
     ``sharegpt`` serves the held-out test split, computed with the seed and fractions
     recorded in ``train_manifest`` (``metadata.data``) when given, else the defaults;
-    each prompt is the first user turn (after any system message). ``bench_cfg.limit``
-    keeps the first N in source order.
+    each prompt is the first user turn (after any system message). ``gsm8k``,
+    ``humaneval`` and ``mtbench`` serve every record except those the drafter was
+    trained on: ids in ``train_manifest``'s plan or its train/validation splits (a
+    drafter trained on ``data=gsm8k`` features is evaluated on GSM8K's held-out test
+    split; without such features nothing is left out). ``bench_cfg.limit`` keeps the
+    first N in source order, after that.
 
     Raises:
         Eagle3Error: unknown benchmark, missing ``mtbench_path``, or a ShareGPT test id
@@ -149,9 +162,7 @@ def load_benchmark(name: str, bench_cfg, train_manifest: Optional[dict] = None) 
             first_user = next(m for m in msgs if m["role"] == "user")
             rows.append((sid, sys_msgs + [first_user], ""))
         if train_manifest is not None:
-            trained = {p[0] for p in train_manifest.get("plan", [])}
-            for s in ("train", "validation"):
-                trained.update(train_manifest.get("splits", {}).get(s, []))
+            trained = trained_ids(train_manifest)
             leaked = [sid for sid, _, _ in rows if sid in trained]
             if leaked:
                 raise Eagle3Error(
@@ -160,6 +171,9 @@ def load_benchmark(name: str, bench_cfg, train_manifest: Optional[dict] = None) 
                 )
     else:
         raise Eagle3Error(f"benchmark '{name}' is unknown; use gsm8k, humaneval, sharegpt or mtbench")
+    if name != "sharegpt" and train_manifest is not None:
+        trained = trained_ids(train_manifest)
+        rows = [r for r in rows if r[0] not in trained]
     if limit is not None:
         rows = rows[: int(limit)]
     return datasets.Dataset.from_dict(
