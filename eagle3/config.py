@@ -120,6 +120,7 @@ class DataConfig:
     source: str = MISSING
     path: Optional[str] = None
     limit: Optional[int] = None
+    offset: int = 0  # extraction: skip this many selected conversations first (a source in parts)
     seed: int = 0
     validation_fraction: float = 0.02
     test_fraction: float = 0.05

@@ -87,6 +87,18 @@ def test_select_refuses_test_split_and_bad_limit():
         select_for_extraction(ds, ["train", "test"], None)
     with pytest.raises(Eagle3Error, match="limit"):
         select_for_extraction(ds, ["train"], 0)
+    with pytest.raises(Eagle3Error, match="offset"):
+        select_for_extraction(ds, ["train"], None, -1)
+
+
+def test_select_offset_cuts_a_source_into_parts():
+    ds = load_conversations(DataConfig(name="g", source="gsm8k"))
+    whole = list(select_for_extraction(ds, ["train", "validation"], None)["id"])
+    first = list(select_for_extraction(ds, ["train", "validation"], 500)["id"])
+    rest = list(select_for_extraction(ds, ["train", "validation"], None, 500)["id"])
+    assert first + rest == whole and len(first) == 500 and len(whole) > 1200
+    assert list(select_for_extraction(ds, ["train", "validation"], 3, 498)["id"]) == whole[498:501]
+    assert len(select_for_extraction(ds, ["train"], None, 10_000)) == 0
 
 
 def test_jsonl_user_file(tmp_path):

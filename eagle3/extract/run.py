@@ -58,19 +58,22 @@ class _Prompts:
 
 
 def _select_prompts(cfg) -> _Prompts:
-    """Load ``cfg.data``, split it, keep ``data.splits`` up to ``data.limit``.
+    """Load ``cfg.data``, split it, keep ``data.splits`` from ``data.offset`` up to ``data.limit``.
 
     Raises:
         Eagle3Error: no prompt selected, or as :func:`eagle3.prompts.load_conversations`.
     """
     data_stats: dict = {}
     ds = load_conversations(cfg.data, data_stats)
-    sel = select_for_extraction(ds, cfg.data.splits, cfg.data.limit)
+    sel = select_for_extraction(ds, cfg.data.splits, cfg.data.limit, cfg.data.offset)
     if len(sel) == 0:
         if len(ds) == 0:
             raise Eagle3Error(f"data={cfg.data.name} (source {cfg.data.source}) holds no conversation; give prompts that "
                               "have a user turn")
         per_split = ", ".join(f"{s} {ds['split'].count(s)}" for s in ("train", "validation", "test"))
+        if int(cfg.data.offset) > 0:
+            raise Eagle3Error(f"data.offset={cfg.data.offset} skips every conversation of data={cfg.data.name} in "
+                              f"data.splits {list(cfg.data.splits)} (by split: {per_split}); lower data.offset")
         raise Eagle3Error(f"none of the {len(ds)} conversations of data={cfg.data.name} is in data.splits "
                           f"{list(cfg.data.splits)} (by split: {per_split}); change data.splits or "
                           "data.validation_fraction / data.test_fraction")

@@ -84,11 +84,13 @@ def load_conversations(data_cfg, stats: Optional[dict] = None) -> datasets.Datas
     return datasets.Dataset.from_dict(rows, features=FEATURES)
 
 
-def select_for_extraction(ds: datasets.Dataset, splits, limit: Optional[int]) -> datasets.Dataset:
-    """The rows of ``splits`` (never ``test``), in source order, at most ``limit`` of them.
+def select_for_extraction(ds: datasets.Dataset, splits, limit: Optional[int], offset: int = 0) -> datasets.Dataset:
+    """The rows of ``splits`` (never ``test``), in source order, from the ``offset``-th on,
+    at most ``limit`` of them (``offset`` cuts a source into parts extracted separately,
+    e.g. one folder per machine: offset 0 limit 4000, then offset 4000).
 
     Raises:
-        Eagle3Error: ``test`` or an unknown split asked for, or ``limit`` < 1.
+        Eagle3Error: ``test`` or an unknown split asked for, ``limit`` < 1 or ``offset`` < 0.
     """
     splits = list(splits)
     bad = [s for s in splits if s not in SPLITS]
@@ -98,7 +100,9 @@ def select_for_extraction(ds: datasets.Dataset, splits, limit: Optional[int]) ->
         raise Eagle3Error("data.splits must not include test: the test split is kept for evaluation")
     if limit is not None and int(limit) < 1:
         raise Eagle3Error(f"data.limit={limit} must be at least 1 (or null for all)")
-    keep = [i for i, s in enumerate(ds["split"]) if s in splits]
+    if int(offset) < 0:
+        raise Eagle3Error(f"data.offset={offset} must be >= 0 (the number of selected conversations to skip)")
+    keep = [i for i, s in enumerate(ds["split"]) if s in splits][int(offset):]
     if limit is not None:
         keep = keep[: int(limit)]
     return ds.select(keep)
