@@ -323,6 +323,9 @@ class EvaluateConfig:
     max_new_tokens: int = 128
     max_prompt_tokens: int = 2048  # hf engine: longer rendered prompts are skipped (counted)
     warmup_prompts: int = 2
+    # hf engine, greedy chains: replay every decoded turn teacher-forced (one full target
+    # forward + the TTT unroll), splitting a tau shortfall into numerics and chain starts
+    teacher_forced: bool = True
     concurrency: list[int] = field(default_factory=lambda: [1, 8, 32, 64, 128])  # served engines (sglang, vllm)
     # hf engine: prompts split over `workers` processes (prompt i to worker i % workers), each with
     # its own target + drafter on devices[w] (default cuda:w; a GPU may be listed several times to

@@ -20,6 +20,7 @@ import torch
 
 from eagle3.errors import Eagle3Error
 from eagle3.evaluate.records import TurnRecord, summarize_benchmark
+from eagle3.evaluate.teacher_forced import teacher_forced_turn
 from eagle3.spec import SpecSettings, SpeculativeDecoder, TargetRunner, target_generate
 
 #: a greedy mismatch counts as a numerical near-tie when the two tokens' target logits
@@ -81,6 +82,7 @@ class _Evaluation:
     settings: SpecSettings
     max_prompt_tokens: Optional[int]
     seed: int
+    teacher_forced: bool = False
 
     def __post_init__(self):
         self.runner, self.dev = self.decoder.runner, self.decoder.runner.device
@@ -129,6 +131,9 @@ class _Evaluation:
                              spec.verify_passes, spec.emitted, spec.accept_counts)
             if self.settings.greedy and not rec.match:
                 rec.mismatch = diagnose_mismatch(self.runner, ids, spec.tokens, base.tokens)
+            if self.teacher_forced:
+                rec.teacher_forced = teacher_forced_turn(self.runner, self.decoder.proposer.drafter, ids, spec.tokens,
+                                                         self.settings.num_steps)
             recs.append(rec)
             history = msgs + [{"role": "assistant", "content": self.decode(spec.tokens)}]
         return recs, False
@@ -165,6 +170,7 @@ def evaluate_hf(
     progress: bool = True,
     done: Optional[dict[str, tuple[list[TurnRecord], list[str]]]] = None,
     on_done: Optional[Callable[[str, list[TurnRecord], list[str]], None]] = None,
+    teacher_forced: bool = False,
 ) -> tuple[dict, list[TurnRecord], list[str]]:
     """Speculative and baseline decoding of every benchmark prompt at batch 1.
 
@@ -179,6 +185,9 @@ def evaluate_hf(
         seed: base of the per-turn random generators (temperature > 0).
         done: benchmarks already evaluated (resumed): ``{name: (records, warnings)}``.
         on_done: called with ``(name, records, warnings)`` after each benchmark.
+        teacher_forced: replay every turn teacher-forced
+            (:func:`eagle3.evaluate.teacher_forced.teacher_forced_turn`; greedy chains
+            with an EAGLE-3 drafter only, else ignored).
 
     Returns:
         ``(per-benchmark results, turn records, warnings)``; the results hold the
@@ -187,7 +196,8 @@ def evaluate_hf(
     Raises:
         Eagle3Error: a benchmark sample without a user message.
     """
-    ev = _Evaluation(decoder, render, decode, settings, max_prompt_tokens, seed)
+    tf = bool(teacher_forced and settings.greedy and settings.topk == 1 and hasattr(decoder.proposer, "drafter"))
+    ev = _Evaluation(decoder, render, decode, settings, max_prompt_tokens, seed, tf)
     done = done or {}
     todo = [n for n in benchmarks if n not in done]
     ev.warm_up(benchmarks[todo[0]] if todo else [], warmup_prompts)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from eagle3.evaluate.teacher_forced import summarize_teacher_forced
 from eagle3.evaluate.metrics import acceptance_summary, diversity, is_loop, longest_loop, ratio, tokens_per_second
 from eagle3.spec import SpecSettings
 
@@ -47,6 +48,7 @@ class TurnRecord:
     emitted: int
     accept_counts: list[int] = field(default_factory=list)
     mismatch: Optional[dict] = None  # see diagnose_mismatch (temperature 0 only)
+    teacher_forced: Optional[dict] = None  # see eagle3.evaluate.teacher_forced.teacher_forced_turn
 
     @property
     def match(self) -> bool:
@@ -69,6 +71,7 @@ def summarize_benchmark(recs: Sequence[TurnRecord], settings: SpecSettings) -> d
         after the prefill), ``lossless_matches`` / ``lossless_checked`` /
         ``lossless_near_ties`` (prompts whose every turn matched; None unless greedy),
         ``first_mismatches``, ``diversity``, ``acceptance_length_non_looping``,
+        ``teacher_forced`` (:func:`eagle3.evaluate.teacher_forced.summarize_teacher_forced`),
         ``num_prompts``, ``num_turns``, ``output_tokens_spec`` / ``output_tokens_base``.
 
     Raises:
@@ -95,6 +98,7 @@ def summarize_benchmark(recs: Sequence[TurnRecord], settings: SpecSettings) -> d
     clean = [r for r in recs if not is_loop(r.spec_tokens, longest_loop(r.spec_tokens)[0])]
     cp = sum(r.verify_passes for r in clean)
     out["acceptance_length_non_looping"] = sum(r.emitted for r in clean) / cp if cp else None
+    out["teacher_forced"] = summarize_teacher_forced(recs)
     out["num_prompts"] = len(prompts)
     out["num_turns"] = len(recs)
     out["output_tokens_spec"] = spec_tok

@@ -186,6 +186,22 @@ def render_markdown(results: dict, plots: dict[str, str]) -> str:
             [[n] + [_f(v) for v in (b.get("per_position_acceptance") or [])] + ["-"] * (
                 depth - len(b.get("per_position_acceptance") or [])) for n, b in benches.items()],
         ))
+    tf = {n: b["teacher_forced"] for n, b in benches.items() if b.get("teacher_forced")}
+    if tf:
+        out.append("\n## Where tau is lost (teacher-forced replay)\n")
+        out.append("Each decoded turn replayed with features from one full forward of the target and the training-time "
+                   "test's unroll of the drafter (labels: the reply's own tokens). replay: chains where the decoder "
+                   "started them, so it differs from decoded tau only through numerics (features from prefill and "
+                   "verify passes over a KV cache, incremental drafting); every position: a chain at every reply "
+                   "token, as training validation measures it, so it differs from replay by where chains start. "
+                   "identical: turns whose replayed chains equal the decoder's (the last chain left out).\n")
+        out.append(_md_table(
+            ["benchmark", "tau decoded", "tau replay", "tau every position", "every position: pos 1 / 2 / 3",
+             "identical turns"],
+            [[n, _f(t.get("served_tau")), _f(t.get("replay_tau")), _f(t.get("every_tau")),
+              " / ".join(_f(v) for v in (t.get("every_per_position") or [])),
+              f"{t.get('identical_turns')} of {t.get('turns')}"] for n, t in tf.items()],
+        ))
     out.append("\n## Diversity\n")
     out.append(_md_table(
         ["benchmark", "distinct-1", "distinct-2", "longest loop (mean / max tokens)", "looping outputs", "tau w/o loops"],

@@ -222,6 +222,7 @@ def _evaluate_in_process(cfg, settings: SpecSettings, meta: dict, names: list[st
         {n: ds for n, ds in benchmarks.items()}, decoder, render, decode, settings,
         warmup_prompts=cfg.warmup_prompts, max_prompt_tokens=cfg.max_prompt_tokens, seed=cfg.seed,
         done=done, on_done=lambda n, r, ww: save_partial(output_dir, n, keys[n], r, ww),
+        teacher_forced=bool(cfg.teacher_forced),
     )
     warnings += w
     decoder.runner.close()

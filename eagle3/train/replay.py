@@ -46,11 +46,31 @@ def serving_replay(accepted_rows: torch.Tensor, chain_starts: torch.Tensor, seq_
             end = r
             while end < seq_len and s_row[end]:
                 end += 1  # rows r .. end-1: one reply
-            q = r + 1  # row P - 1: the target wrote x[P] itself, the first chain drafts x[P + 1]
-            while q < end:
-                n = int(a_row[q])
-                total += n
-                chains += 1
-                q += n + 1
+            counts = replay_walk(a_row, r, end)
+            total += sum(counts)
+            chains += len(counts)
             r = end
     return total, chains
+
+
+def replay_walk(accepted_row: list, first: int, end: int) -> list[int]:
+    """Accepted drafts of each chain of one reply, in order, walked as a decoder walks them.
+
+    Args:
+        accepted_row: per row of one sample, the accepted drafts of the chain that starts
+            there (:attr:`eagle3.train.ttt.TTTOutput.accepted_rows`, as a list).
+        first: the reply's first chain-start row (``P - 2`` for a reply ``x[P..E]``).
+        end: one past its last chain-start row.
+
+    Returns:
+        The counts: the first chain at row ``first + 1`` (the target wrote ``x[P]``
+        itself, the first chain drafts ``x[P + 1]``), each next one ``n + 1`` rows after
+        a chain that got ``n`` drafts accepted.
+    """
+    out = []
+    q = first + 1
+    while q < end:
+        n = int(accepted_row[q])
+        out.append(n)
+        q += n + 1
+    return out
