@@ -407,7 +407,7 @@ def test_finished_benchmarks_are_resumed(tmp_path):
 
 def test_diagnose_mismatch_measures_the_logit_gap():
     from eagle3.evaluate.inprocess import diagnose_mismatch
-    from eagle3.spec import target_generate
+    from eagle3.spec import StaticTargetRunner, target_generate
 
     target = tiny_target()
     runner = TargetRunner(target)
@@ -423,6 +423,11 @@ def test_diagnose_mismatch_measures_the_logit_gap():
     assert d["logit_gap"] == pytest.approx(float(logits[base[3]] - logits[second]), abs=1e-4)
     assert d["tie"] is False  # float32: a real gap is far above rounding
     assert diagnose_mismatch(runner, prompt, base[:2], base)["tie"] is False  # ended earlier
+    # the static runner (the CUDA default) after a decoding that left its cache in use
+    static = StaticTargetRunner(target, max_len=64)
+    target_generate(static, prompt, s)
+    ds = diagnose_mismatch(static, prompt, spec, base)
+    assert ds["index"] == 3 and ds["logit_gap"] == pytest.approx(d["logit_gap"], abs=1e-4)
 
 
 def test_sglang_engine_dispatch_reports_its_results(tmp_path):

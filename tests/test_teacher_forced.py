@@ -12,7 +12,7 @@ from eagle3.evaluate.teacher_forced import (
     summarize_teacher_forced,
     teacher_forced_turn,
 )
-from eagle3.spec import Eagle3Proposer, SpecSettings, SpeculativeDecoder, TargetRunner
+from eagle3.spec import Eagle3Proposer, SpecSettings, SpeculativeDecoder, StaticTargetRunner, TargetRunner
 from eagle3.train.ttt import TTTCollator, target_to_draft_index, ttt_forward
 from test_spec_decode import AUX, PROMPT, greedy_reference, tiny_drafter, tiny_target
 
@@ -55,6 +55,11 @@ def test_replay_equals_the_decoders_chains_in_float32(setup):
     assert len(set(counts)) >= 3, f"the fitted drafter should give varied chains, got {counts}"
     tf = teacher_forced_turn(TargetRunner(target, AUX), drafter, PROMPT, res.tokens, 3)
     assert tf["replay_counts"][: len(counts) - 1] == counts[:-1]
+    # the static runner (the CUDA default), its one cache just used by a decoding
+    static = StaticTargetRunner(target, AUX, max_len=128)
+    res_s = SpeculativeDecoder(static, Eagle3Proposer(drafter, AUX), s).generate(PROMPT)
+    assert res_s.accept_counts == counts
+    assert teacher_forced_turn(static, drafter, PROMPT, res.tokens, 3) == tf
     rec = TurnRecord("b", "p", 0, len(PROMPT), res.tokens, res.tokens, 1.0, 1.0, 0.1, 0.1,
                      res.verify_passes, res.emitted, counts, teacher_forced=tf)
     summary = summarize_teacher_forced([rec])

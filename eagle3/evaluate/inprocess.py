@@ -47,9 +47,8 @@ def diagnose_mismatch(runner: TargetRunner, prompt_ids: Sequence[int], spec: Seq
     if i >= len(spec) or i >= len(base):
         return {"index": i, "spec_token": None, "base_token": None, "logit_gap": None, "tie": False}
     ids = list(prompt_ids) + list(base[:i])
-    dev = runner.device
-    logits, _ = runner.forward(torch.tensor([ids], device=dev), torch.arange(len(ids), device=dev)[None],
-                               runner.new_cache(), last_only=True, capture=False)
+    # a prefill: on a static runner it also places the new positions (a bare forward would not)
+    logits, _ = runner.prefill(torch.tensor([ids], device=runner.device), runner.new_cache(), capture=False)
     la, lb = float(logits[-1, spec[i]]), float(logits[-1, base[i]])
     eps = torch.finfo(logits.dtype).eps
     gap = abs(la - lb)

@@ -59,7 +59,8 @@ def chain_acceptance_rows(runner, drafter, prompt_ids: Sequence[int], reply: Seq
     dev = runner.device
     ids = torch.tensor(list(prompt_ids) + list(reply), dtype=torch.int64)
     T = ids.numel()
-    _, aux = runner.forward(ids[None].to(dev), torch.arange(T, device=dev)[None], runner.new_cache(), capture=True)
+    # one prefill of the whole sequence (the static runner's too: it places the positions in its cache)
+    _, aux = runner.prefill(ids[None].to(dev), runner.new_cache(), capture=True)
     t2d_index = target_to_draft_index(drafter.d2t.cpu(), drafter.t2d.numel())
     batch = TTTCollator(t2d_index, num_steps, max_length=T)([_sample(ids, P, aux)])
     batch["aux_hidden_states"] = aux[None]  # the features as computed (the collator stores bf16)
