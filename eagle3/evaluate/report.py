@@ -138,6 +138,42 @@ def _md_table(head: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _teacher_forced_section(benches: dict) -> list[str]:
+    """The report's "Where tau is lost" section (empty when no benchmark has teacher-forced figures)."""
+    out: list[str] = []
+    tf = {n: b["teacher_forced"] for n, b in benches.items() if b.get("teacher_forced")}
+    if tf:
+        out.append("\n## Where tau is lost (teacher-forced replay)\n")
+        out.append("Each decoded turn replayed with features from one full forward of the target and the training-time "
+                   "test's unroll of the drafter (labels: the reply's own tokens). replay: chains where the decoder "
+                   "started them, so it differs from decoded tau only through numerics (features from prefill and "
+                   "verify passes over a KV cache, incremental drafting); every position: a chain at every reply "
+                   "token, as training validation measures it, so it differs from replay by where chains start. "
+                   "identical: turns whose replayed chains equal the decoder's (the last chain left out).\n")
+        out.append(_md_table(
+            ["benchmark", "tau decoded", "tau replay", "tau every position", "every position: pos 1 / 2 / 3",
+             "identical turns"],
+            [[n, _f(t.get("served_tau")), _f(t.get("replay_tau")), _f(t.get("every_tau")),
+              " / ".join(_f(v) for v in (t.get("every_per_position") or [])),
+              f"{t.get('identical_turns')} of {t.get('turns')}"] for n, t in tf.items()],
+        ))
+    return out
+
+
+def _diversity_section(benches: dict) -> list[str]:
+    """The report's "Diversity" section: distinct n-grams, loops, tau without looping outputs."""
+    out: list[str] = []
+    out.append("\n## Diversity\n")
+    out.append(_md_table(
+        ["benchmark", "distinct-1", "distinct-2", "longest loop (mean / max tokens)", "looping outputs", "tau w/o loops"],
+        [[n, _f((b.get("diversity") or {}).get("distinct_1")), _f((b.get("diversity") or {}).get("distinct_2")),
+          f"{_f((b.get('diversity') or {}).get('longest_loop_mean'), 1)} / {_f((b.get('diversity') or {}).get('longest_loop_max'))}",
+          _f((b.get("diversity") or {}).get("looping_outputs")), _f(b.get("acceptance_length_non_looping"))]
+         for n, b in benches.items()],
+    ))
+    return out
+
+
 def render_markdown(results: dict, plots: dict[str, str]) -> str:
     """``report.md`` text."""
     spec, samp = results.get("speculative") or {}, results.get("sampling") or {}
@@ -186,30 +222,8 @@ def render_markdown(results: dict, plots: dict[str, str]) -> str:
             [[n] + [_f(v) for v in (b.get("per_position_acceptance") or [])] + ["-"] * (
                 depth - len(b.get("per_position_acceptance") or [])) for n, b in benches.items()],
         ))
-    tf = {n: b["teacher_forced"] for n, b in benches.items() if b.get("teacher_forced")}
-    if tf:
-        out.append("\n## Where tau is lost (teacher-forced replay)\n")
-        out.append("Each decoded turn replayed with features from one full forward of the target and the training-time "
-                   "test's unroll of the drafter (labels: the reply's own tokens). replay: chains where the decoder "
-                   "started them, so it differs from decoded tau only through numerics (features from prefill and "
-                   "verify passes over a KV cache, incremental drafting); every position: a chain at every reply "
-                   "token, as training validation measures it, so it differs from replay by where chains start. "
-                   "identical: turns whose replayed chains equal the decoder's (the last chain left out).\n")
-        out.append(_md_table(
-            ["benchmark", "tau decoded", "tau replay", "tau every position", "every position: pos 1 / 2 / 3",
-             "identical turns"],
-            [[n, _f(t.get("served_tau")), _f(t.get("replay_tau")), _f(t.get("every_tau")),
-              " / ".join(_f(v) for v in (t.get("every_per_position") or [])),
-              f"{t.get('identical_turns')} of {t.get('turns')}"] for n, t in tf.items()],
-        ))
-    out.append("\n## Diversity\n")
-    out.append(_md_table(
-        ["benchmark", "distinct-1", "distinct-2", "longest loop (mean / max tokens)", "looping outputs", "tau w/o loops"],
-        [[n, _f((b.get("diversity") or {}).get("distinct_1")), _f((b.get("diversity") or {}).get("distinct_2")),
-          f"{_f((b.get('diversity') or {}).get('longest_loop_mean'), 1)} / {_f((b.get('diversity') or {}).get('longest_loop_max'))}",
-          _f((b.get("diversity") or {}).get("looping_outputs")), _f(b.get("acceptance_length_non_looping"))]
-         for n, b in benches.items()],
-    ))
+    out += _teacher_forced_section(benches)
+    out += _diversity_section(benches)
     notes = [(n, m) for n, b in benches.items() for m in (b.get("verdict_notes") or [])]
     out.append("\n## Verdict\n")
     if notes:
