@@ -76,7 +76,12 @@ def test_extract_end_to_end_and_resume(tiny_target_dir, tmp_path, monkeypatch, c
     meta = m["metadata"]
     assert meta["aux_layer_ids"] == [2, 4, 5] and meta["aux_layer_convention"] == "hf_output_hidden_states"
     assert meta["target"]["content_hash"].startswith("sha256:")
-    assert meta["capture"] == {"top_k": 4, "max_length": 96, "max_turns": None}
+    assert meta["capture"] == {"top_k": 4, "max_length": 96, "max_turns": None, "plan_order": "turns"}
+    # every turn regenerated: the plan is ordered by turn count, source order within a count
+    turns = {f"chats-{i + 1}": sum(1 for x in c["messages"] if x["role"] == "user") for i, c in enumerate(CHATS)}
+    plan_ids = [p[0] for p in m["plan"]]
+    assert [turns[i] for i in plan_ids] == sorted(turns[i] for i in plan_ids)
+    assert len(set(turns.values())) > 1 and plan_ids != sorted(plan_ids, key=lambda i: int(i.split("-")[1]))
     assert meta["engine"]["name"] == "hf" and "torch" in meta["versions"]
     assert sorted(m["splits"]) == ["test", "train", "validation"]
     assert sum(len(v) for v in m["splits"].values()) == 7
@@ -347,6 +352,17 @@ def test_regenerate_turn_by_turn_with_system_kept_and_turn_cap(tiny_tokenizer_di
     cut, _, st = regenerate(_EchoEngine(tok), tok, [("d", [{"role": "user", "content": "hi"}, {"role": "user", "content": "y " * 150}])],
                          SamplingConfig(max_new_tokens=8), 120, 0)
     assert st["cut"] == ["d"] and cut["d"][-1]["content"] == "reply 1"
+
+
+def test_turn_order_is_a_stable_sort_by_answered_turns():
+    from eagle3.extract.order import bucket_by_turns, turn_order
+
+    u, a = {"role": "user", "content": "q"}, {"role": "assistant", "content": "r"}
+    convs = [[u, a, u, a, u], [u], [{"role": "system", "content": "s"}, u, a, u], [u, a, u, a, u, a, u], [u]]
+    assert turn_order(convs, None) == [1, 4, 2, 0, 3]
+    assert turn_order(convs, 2) == [1, 4, 0, 2, 3]  # capped at 2: the three longer ones tie, source order kept
+    assert bucket_by_turns(CaptureConfig(max_turns=None)) and bucket_by_turns(CaptureConfig(max_turns=2))
+    assert not bucket_by_turns(CaptureConfig(max_turns=1)) and not bucket_by_turns(CaptureConfig(regenerate=False, max_turns=None))
 
 
 def test_data_parallel_workers_equal_one_process(tiny_target_dir, tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from eagle3.extract.order import bucket_by_turns
 from eagle3.features import LAYOUT_TARGET_IDS, LAYOUT_TEMPLATE_TEXT
 from eagle3.target import chat_template_hash
 
@@ -55,7 +56,9 @@ def _metadata(cfg, target, engine, tokenizer) -> dict:
         # regenerated samples are the target's own ids; kept replies are rendered text (eagle3.features.format)
         "sample_layout": LAYOUT_TARGET_IDS if cfg.capture.regenerate else LAYOUT_TEMPLATE_TEXT,
         "capture": {"top_k": int(cfg.capture.top_k), "max_length": int(cfg.capture.max_length),
-                    "max_turns": cfg.capture.max_turns},
+                    "max_turns": cfg.capture.max_turns,
+                    # multi-turn regeneration plans by turn count (eagle3.extract.order); absent = source order
+                    **({"plan_order": "turns"} if bucket_by_turns(cfg.capture) else {})},
         "data": {
             "name": d.name,
             "source": d.source,

@@ -7,7 +7,8 @@ Order of work (cheap checks first, so a misconfiguration fails in seconds):
 2. a remote engine (``sglang``) connects to / launches its server now, and says what
    is missing when it cannot;
 3. load the tokenizer and the prompts, split them (deterministic by sample id), apply
-   ``data.limit``;
+   ``data.offset`` and ``data.limit``; when more than one turn is regenerated, order them
+   by turn count (:func:`turn_order`: windows of alike conversations keep batches full);
 4. preflight: estimated bytes against free disk; then the ``hf`` engine loads the model;
 5. per window of shards: regenerate every assistant turn in order, batched across
    conversations (system prompt kept, user turns as given), keeping the ids the target
@@ -35,6 +36,7 @@ from eagle3 import features
 from eagle3.engines import build_engine
 from eagle3.errors import Eagle3Error
 from eagle3.extract.metadata import _metadata
+from eagle3.extract.order import bucket_by_turns, turn_order
 from eagle3.extract.parallel import run_parallel
 from eagle3.extract.preflight import _check_settings, check_output_dir, preflight
 from eagle3.extract.shards import extract_windows, plan_windows
@@ -77,7 +79,10 @@ def _select_prompts(cfg) -> _Prompts:
         raise Eagle3Error(f"none of the {len(ds)} conversations of data={cfg.data.name} is in data.splits "
                           f"{list(cfg.data.splits)} (by split: {per_split}); change data.splits or "
                           "data.validation_fraction / data.test_fraction")
-    ids, msgs_list, split_list = sel["id"], sel["messages"], sel["split"]
+    ids, msgs_list, split_list = list(sel["id"]), list(sel["messages"]), list(sel["split"])
+    if bucket_by_turns(cfg.capture):
+        order = turn_order(msgs_list, cfg.capture.max_turns)
+        ids, msgs_list, split_list = [ids[i] for i in order], [msgs_list[i] for i in order], [split_list[i] for i in order]
     messages_by_id = dict(zip(ids, msgs_list))
     plan = list(zip(ids, split_list))
     splits = {s: [i for i, sp in zip(ds["id"], ds["split"]) if sp == s] for s in ("train", "validation", "test")}
