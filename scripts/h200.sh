@@ -6,13 +6,17 @@
 # speed-up) and the extraction throughput benchmark. Logs and reports go to $RUN.
 #
 #   bash scripts/h200.sh                 # everything
+#   STAGES="extract extract_gsm8k train" MAX_TURNS=2 bash scripts/h200.sh
 #   STAGES="evaluate timing" bash scripts/h200.sh
 #
 # Sizes come from the environment: PROMPTS, EXTRACT_WORKERS, MAX_TURNS, MAX_NEW_TOKENS, EPOCHS,
 # EVAL_PROMPTS, EVAL_WORKERS, EVAL_MAX_NEW_TOKENS, TIMING_PROMPTS, MTBENCH (path of MT-Bench's
 # question.jsonl, adds that benchmark), FEAT (features folder, default $RUN/features: several
 # runs can train on one extraction) and TRAIN_OVERRIDES (extra train.py overrides, e.g.
-# "drafter.lm_head_init=target").
+# "drafter.lm_head_init=target"). extract_gsm8k regenerates GSM8K's train split into
+# $RUN/features-gsm8k; train then reads both folders, and evaluation scores GSM8K on its held-out
+# test split (the prompts trained on are left out). A multi-turn extraction (MAX_TURNS > 1) is
+# planned by turn count; every turn (MAX_TURNS=null) is slow: docs/performance.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN=${RUN:-runs/h200}
@@ -25,7 +29,7 @@ EVAL_PROMPTS=${EVAL_PROMPTS:-200}
 EVAL_WORKERS=${EVAL_WORKERS:-12}
 EVAL_MAX_NEW_TOKENS=${EVAL_MAX_NEW_TOKENS:-128}
 TIMING_PROMPTS=${TIMING_PROMPTS:-10}
-STAGES=${STAGES:-"extract train bench_train evaluate timing bench_extract fsdp_check"}
+STAGES=${STAGES:-"extract extract_gsm8k train bench_train evaluate timing bench_extract fsdp_check"}
 FEAT=${FEAT:-$RUN/features}
 TRAIN_OVERRIDES=${TRAIN_OVERRIDES:-}
 DRAFTER=$RUN/drafter
@@ -45,8 +49,14 @@ for stage in $STAGES; do
       sampling.max_new_tokens="$MAX_NEW_TOKENS" output_dir="$FEAT" \
       engine.max_batch_tokens=32768 parallel.workers="$EXTRACT_WORKERS" parallel.devices="$(same_gpu "$EXTRACT_WORKERS")" 2>&1 | tee "$RUN/extract.log"
     ;;
+  extract_gsm8k)
+    python extract.py engine.device=cuda data=gsm8k capture.max_turns=1 sampling.max_new_tokens=256 \
+      engine.generate_batch_size=32 output_dir="$RUN/features-gsm8k" \
+      parallel.workers="$EXTRACT_WORKERS" parallel.devices="$(same_gpu "$EXTRACT_WORKERS")" 2>&1 | tee "$RUN/extract-gsm8k.log"
+    ;;
   train)
-    python train.py experiment=h200 loop.epochs="$EPOCHS" features_dir="$FEAT" output_dir="$DRAFTER" \
+    feats="$FEAT"; [ -f "$RUN/features-gsm8k/manifest.json" ] && feats="$FEAT,$RUN/features-gsm8k"
+    python train.py experiment=h200 loop.epochs="$EPOCHS" features_dir="'$feats'" output_dir="$DRAFTER" \
       $TRAIN_OVERRIDES 2>&1 | tee "$RUN/train.log"
     ;;
   bench_train)
