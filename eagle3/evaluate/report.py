@@ -149,7 +149,9 @@ def _teacher_forced_section(benches: dict) -> list[str]:
                    "started them, so it differs from decoded tau only through numerics (features from prefill and "
                    "verify passes over a KV cache, incremental drafting); every position: a chain at every reply "
                    "token, as training validation measures it, so it differs from replay by where chains start. "
-                   "identical: turns whose replayed chains equal the decoder's (the last chain left out).\n")
+                   "identical: turns whose replayed chains equal the decoder's (the last chain left out). tau "
+                   "decoded here is 1 + the mean accepted drafts per verify pass; the headline tau counts emitted "
+                   "tokens, which a last pass cut at max_new_tokens lowers slightly.\n")
         out.append(_md_table(
             ["benchmark", "tau decoded", "tau replay", "tau every position", "every position: pos 1 / 2 / 3",
              "identical turns"],
