@@ -149,6 +149,9 @@ class CaptureConfig:
     # user turns kept (and answered) per conversation; None = every turn. Default 1: the
     # first exchange, as the evaluation benchmarks prompt (multi-turn: capture.max_turns=null)
     max_turns: Optional[int] = 1
+    # auto: by turn count when more than one turn is regenerated (windows of alike conversations,
+    # eagle3/extract/order.py), else source order; source: resume a multi-turn folder planned before
+    plan_order: str = "auto"
 
 
 @dataclass

@@ -13,9 +13,10 @@
 # EVAL_PROMPTS, EVAL_WORKERS, EVAL_MAX_NEW_TOKENS, TIMING_PROMPTS, MTBENCH (path of MT-Bench's
 # question.jsonl, adds that benchmark), FEAT (features folder, default $RUN/features: several
 # runs can train on one extraction) and TRAIN_OVERRIDES (extra train.py overrides, e.g.
-# "drafter.lm_head_init=target"). extract_gsm8k regenerates GSM8K's train split into
-# $RUN/features-gsm8k; train then reads both folders, and evaluation scores GSM8K on its held-out
-# test split (the prompts trained on are left out). A multi-turn extraction (MAX_TURNS > 1) is
+# "drafter.lm_head_init=target"). extract_gsm8k regenerates the train and validation splits that
+# extraction carves out of GSM8K's test set (1,259 of its 1,319 questions; there is no GSM8K train
+# set offline) into $RUN/features-gsm8k; train then reads both folders when that extraction
+# finished, and evaluation scores GSM8K on the 60 held-out questions (those trained on are left out). A multi-turn extraction (MAX_TURNS > 1) is
 # planned by turn count; every turn (MAX_TURNS=null) is slow: docs/performance.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -55,7 +56,7 @@ for stage in $STAGES; do
       parallel.workers="$EXTRACT_WORKERS" parallel.devices="$(same_gpu "$EXTRACT_WORKERS")" 2>&1 | tee "$RUN/extract-gsm8k.log"
     ;;
   train)
-    feats="$FEAT"; [ -f "$RUN/features-gsm8k/manifest.json" ] && feats="$FEAT,$RUN/features-gsm8k"
+    feats="$FEAT"; grep -qs '"complete": true' "$RUN/features-gsm8k/manifest.json" && feats="$FEAT,$RUN/features-gsm8k"
     python train.py experiment=h200 loop.epochs="$EPOCHS" features_dir="'$feats'" output_dir="$DRAFTER" \
       $TRAIN_OVERRIDES 2>&1 | tee "$RUN/train.log"
     ;;

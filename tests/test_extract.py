@@ -105,6 +105,12 @@ def test_extract_end_to_end_and_resume(tiny_target_dir, tmp_path, monkeypatch, c
     assert [i for v in side.values() for i in v["truncated"]] == ["chats-7"] and full["truncated"] == 1
     assert full["generated_tokens"] == sum(v["generated_tokens"] for v in side.values()) > 0
 
+    # the folder was planned by turn count: a run in source order is refused, and told how to resume
+    src = _cfg(tiny_target_dir, tmp_path, data, tmp_path / "full")
+    src.capture.plan_order = "source"
+    with pytest.raises(Eagle3Error, match="capture.plan_order=turns"):
+        run_extract(src)
+
     # resume: killed right after the first shard, then the same command again
     real_write = features.FeatureWriter.write_shard
     calls = []
@@ -363,6 +369,10 @@ def test_turn_order_is_a_stable_sort_by_answered_turns():
     assert turn_order(convs, 2) == [1, 4, 0, 2, 3]  # capped at 2: the three longer ones tie, source order kept
     assert bucket_by_turns(CaptureConfig(max_turns=None)) and bucket_by_turns(CaptureConfig(max_turns=2))
     assert not bucket_by_turns(CaptureConfig(max_turns=1)) and not bucket_by_turns(CaptureConfig(regenerate=False, max_turns=None))
+    assert not bucket_by_turns(CaptureConfig(max_turns=None, plan_order="source"))
+    assert bucket_by_turns(CaptureConfig(max_turns=1, plan_order="turns"))
+    with pytest.raises(Eagle3Error, match="plan_order"):
+        bucket_by_turns(CaptureConfig(plan_order="random"))
 
 
 def test_data_parallel_workers_equal_one_process(tiny_target_dir, tmp_path):

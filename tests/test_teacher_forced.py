@@ -85,6 +85,21 @@ def test_every_row_equals_a_decoder_started_there(setup):
     assert len(checked) >= 3  # rows with 0, some and all drafts accepted were compared
 
 
+def test_nothing_to_replay_gives_none(setup):
+    target, drafter, ref = setup
+    P = len(PROMPT)
+    runner = TargetRunner(target, AUX)
+    assert teacher_forced_turn(runner, drafter, PROMPT, ref[P : P + 2], 3) is None  # reply too short
+    assert teacher_forced_turn(runner, drafter, PROMPT[:1], ref[P:], 3) is None  # prompt of one token
+
+    class NaNRunner(TargetRunner):
+        def prefill(self, input_ids, cache, capture=True):
+            logits, aux = super().prefill(input_ids, cache, capture)
+            return logits, aux * float("nan")
+
+    assert teacher_forced_turn(NaNRunner(target, AUX), drafter, PROMPT, ref[P:], 3) is None
+
+
 def test_summary_hand_case():
     # two turns: decoder counts [3, 0, 1] and [2, 2]; replays [3, 0, 2] and [2, 1, 0]
     a = TurnRecord("b", "p", 0, 5, [1] * 8, [1] * 8, 1.0, 1.0, 0.1, 0.1, 3, 7, [3, 0, 1],

@@ -56,6 +56,7 @@ def benchmark_keys(cfg, settings: SpecSettings, target_hash: str, dtype: str, de
         "settings": dataclasses.asdict(settings), "target": target_hash, "dtype": dtype,
         "device": device_type, "attn": cfg.engine.attn_implementation, "export": export_fingerprint(drafter_dir),
         "seed": cfg.seed, "max_prompt_tokens": cfg.max_prompt_tokens,
+        "teacher_forced": bool(getattr(cfg, "teacher_forced", False)),  # records without the replay are not reused
     }
     return {n: run_key({**base_key, "benchmark": n, "ids": [str(i) for i in ds["id"]]}) for n, ds in benchmarks.items()}
 

@@ -34,8 +34,18 @@ from eagle3.train.ttt import TTTCollator, batch_to, target_to_draft_index, ttt_f
 
 
 def _sample(ids: torch.Tensor, prompt_len: int, aux: torch.Tensor) -> dict:
-    """A feature record (:class:`eagle3.train.ttt.TTTCollator`'s input) of one decoded turn:
-    loss mask on the reply, the "top-1" at position ``p`` = the text's token ``p + 1``."""
+    """A feature record (:class:`eagle3.train.ttt.TTTCollator`'s input) of one decoded turn.
+
+    Args:
+        ids: ``[T]`` int64 prompt + reply ids.
+        prompt_len: ``P``; the loss mask is 1 on the reply, positions ``P .. T-1``.
+        aux: ``[T, 3*H]`` (any shape with ``T`` rows) or a ``[T, 1, 1]`` placeholder (the caller puts the real
+            features in the collated batch); moved to the CPU as float32.
+
+    Returns:
+        ``input_ids``, ``aux_hidden_states``, ``loss_mask`` and a "top-1" at each position
+        ``p``: the text's token ``p + 1`` (log-prob 0).
+    """
     T = ids.numel()
     mask = torch.zeros(T, dtype=torch.int64)
     mask[prompt_len:] = 1
@@ -47,13 +57,26 @@ def _sample(ids: torch.Tensor, prompt_len: int, aux: torch.Tensor) -> dict:
 
 @torch.inference_mode()
 def chain_acceptance_rows(runner, drafter, prompt_ids: Sequence[int], reply: Sequence[int],
-                          num_steps: int) -> tuple[list[float], int, int]:
+                          num_steps: int) -> Optional[tuple[list[float], int, int]]:
     """Accepted drafts of the teacher-forced chain at every row of ``prompt + reply``.
+
+    Args:
+        runner: a :class:`eagle3.spec.TargetRunner` (or the static one); its ``prefill``
+            of the whole sequence gives the ``[T, 3*H]`` aux states in the model dtype on
+            its device.
+        drafter: the :class:`eagle3.train.drafter.Eagle3Drafter` on the same device.
+        prompt_ids: ``P >= 2`` target ids.
+        reply: ``T - P`` target ids.
+        num_steps: drafts per chain.
 
     Returns:
         ``(accepted, first, end)``: ``accepted[r]`` (``T`` floats) for the chain that starts
         after token ``r`` (:attr:`eagle3.train.ttt.TTTOutput.accepted_rows`); chains start
-        at the rows ``first .. end - 1`` (``P - 2 .. T - 3``: the first label is a reply token).
+        at the rows ``first .. end - 1`` (``P - 2 .. T - 3``: the first label is a reply
+        token). None when the aux states are not finite (nothing to replay).
+
+    Raises:
+        Eagle3Error: the sequence does not fit a static runner's cache.
     """
     P = len(prompt_ids)
     dev = runner.device
@@ -61,20 +84,22 @@ def chain_acceptance_rows(runner, drafter, prompt_ids: Sequence[int], reply: Seq
     T = ids.numel()
     # one prefill of the whole sequence (the static runner's too: it places the positions in its cache)
     _, aux = runner.prefill(ids[None].to(dev), runner.new_cache(), capture=True)
+    if not bool(torch.isfinite(aux).all()):
+        return None
     t2d_index = target_to_draft_index(drafter.d2t.cpu(), drafter.t2d.numel())
-    batch = TTTCollator(t2d_index, num_steps, max_length=T)([_sample(ids, P, aux)])
-    batch["aux_hidden_states"] = aux[None]  # the features as computed (the collator stores bf16)
+    placeholder = torch.zeros(T, 1, 1)  # the collator's own copy of the features is not needed
+    batch = TTTCollator(t2d_index, num_steps, max_length=T)([_sample(ids, P, placeholder)])
+    batch["aux_hidden_states"] = aux[None]  # the features as computed, on their device and dtype
     out = ttt_forward(drafter, batch_to(batch, dev), num_steps)
-    rows = batch["chain_starts"].nonzero().flatten()
-    return out.accepted_rows.float().cpu().tolist(), int(rows[0]), int(rows[-1]) + 1
+    return out.accepted_rows.float().cpu().tolist(), P - 2, T - 2
 
 
 def teacher_forced_turn(runner, drafter, prompt_ids: Sequence[int], reply: Sequence[int], num_steps: int) -> Optional[dict]:
     """Teacher-forced chains over one decoded turn (see the module docstring).
 
     Args:
-        runner: the decoder's :class:`eagle3.spec.TargetRunner` (``forward`` with
-            ``capture=True`` gives ``[T, 3*H]`` aux states in the model dtype).
+        runner: the decoder's :class:`eagle3.spec.TargetRunner` (its ``prefill`` of the
+            whole sequence, ``capture=True``, gives ``[T, 3*H]`` aux states in the model dtype).
         drafter: the :class:`eagle3.train.drafter.Eagle3Drafter` the decoder drafts with.
         prompt_ids: ``P`` target ids of the rendered prompt.
         reply: the decoded reply (``T - P`` ids, the prefill token first).
@@ -83,12 +108,19 @@ def teacher_forced_turn(runner, drafter, prompt_ids: Sequence[int], reply: Seque
     Returns:
         ``{"replay_counts": [accepted drafts of each replayed chain, in order],
         "every_accepted": int, "every_chains": int, "every_per_step": [chains with
-        >= j+1 accepted drafts, j < num_steps]}``, or None for a reply of fewer than 3
-        tokens (no chain after the prefill token's).
+        >= j+1 accepted drafts, j < num_steps]}``; None for a reply of fewer than 3
+        tokens (too short to compare chains), a prompt of fewer than 2 tokens, or
+        non-finite features.
+
+    Raises:
+        Eagle3Error: the sequence does not fit a static runner's cache.
     """
-    if len(reply) < 3:
+    if len(reply) < 3 or len(prompt_ids) < 2:
         return None
-    acc, first, end = chain_acceptance_rows(runner, drafter, prompt_ids, reply, num_steps)
+    got = chain_acceptance_rows(runner, drafter, prompt_ids, reply, num_steps)
+    if got is None:
+        return None
+    acc, first, end = got
     every = acc[first:end]
     return {
         "replay_counts": replay_walk(acc, first, end),
@@ -100,6 +132,11 @@ def teacher_forced_turn(runner, drafter, prompt_ids: Sequence[int], reply: Seque
 
 def summarize_teacher_forced(records: Sequence) -> Optional[dict]:
     """Per-benchmark figures from turn records carrying ``teacher_forced`` (else None).
+
+    Args:
+        records: :class:`eagle3.evaluate.records.TurnRecord` s; those whose
+            ``teacher_forced`` is set (:func:`teacher_forced_turn`) are counted, with
+            their ``accept_counts``.
 
     Returns:
         ``{"served_tau", "replay_tau", "every_tau", "every_per_position", "turns",

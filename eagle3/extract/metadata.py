@@ -67,7 +67,7 @@ def _metadata(cfg, target, engine, tokenizer) -> dict:
             "fractions": {"validation": float(d.validation_fraction), "test": float(d.test_fraction)},
             "splits": list(d.splits),
             "limit": d.limit,
-            "offset": int(getattr(d, "offset", 0)),
+            **({"offset": int(d.offset)} if int(getattr(d, "offset", 0)) else {}),  # absent = 0 (older folders)
         },
         "versions": _versions(),
     }

@@ -5,8 +5,23 @@ from __future__ import annotations
 from typing import Optional
 
 
+PLAN_ORDERS = ("auto", "source", "turns")
+
+
 def bucket_by_turns(capture_cfg) -> bool:
-    """Whether extraction orders its plan by turn count: when it regenerates more than one turn."""
+    """Whether extraction orders its plan by turn count (``capture.plan_order``): ``turns``
+    always, ``source`` never, ``auto`` when it regenerates more than one turn.
+
+    Raises:
+        Eagle3Error: ``capture.plan_order`` is not one of auto, source, turns.
+    """
+    order = str(getattr(capture_cfg, "plan_order", "auto") or "auto")
+    if order not in PLAN_ORDERS:
+        from eagle3.errors import Eagle3Error
+
+        raise Eagle3Error(f"capture.plan_order={order!r}: use auto, source or turns")
+    if order != "auto":
+        return order == "turns"
     return bool(capture_cfg.regenerate) and capture_cfg.max_turns != 1
 
 

@@ -129,8 +129,11 @@ class FeatureWriter:
             _adopt_sample_layout(out_dir, manifest["metadata"], metadata)
             diff = _first_difference(manifest["metadata"], metadata)
             if diff:
+                stored = (manifest["metadata"].get("capture") or {}).get("plan_order", "source")
+                hint = (f"; that folder was planned in {stored} order: resume it with capture.plan_order={stored}"
+                        if diff.startswith("capture.plan_order") else "")
                 raise Eagle3Error(
-                    f"{out_dir} already holds an extraction with other settings: {diff}; "
+                    f"{out_dir} already holds an extraction with other settings: {diff}{hint}; "
                     "pass a new output_dir=, or delete that folder to start over"
                 )
             if [list(p) for p in manifest["plan"]] != [list(p) for p in plan]:

@@ -110,7 +110,12 @@ def select_for_extraction(ds: datasets.Dataset, splits, limit: Optional[int], of
 
 def trained_ids(train_manifest: dict) -> set[str]:
     """Sample ids a drafter's features may have trained on: the manifest's ``plan`` and
-    its ``train`` and ``validation`` splits (of the whole source, extracted or not)."""
+    its ``train`` and ``validation`` splits (of the whole source, extracted or not).
+
+    Args:
+        train_manifest: from :func:`eagle3.evaluate.provenance.load_train_manifest`:
+            ``plan`` (``[[sample_id, split], ...]``) and ``splits`` (``{split: [ids]}``).
+    """
     ids = {p[0] for p in train_manifest.get("plan", [])}
     for split in ("train", "validation"):
         ids.update((train_manifest.get("splits") or {}).get(split, []))
