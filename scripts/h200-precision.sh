@@ -41,6 +41,6 @@ for m in $MODELS; do
   cp $R/f-$m/manifest.json $P/$m/features-manifest.json 2>/dev/null
 done
 cp $O/*.log $P/ 2>/dev/null
-tar czf $P.all.tgz -C $(dirname $P) $(basename $P) && (cd $(dirname $P) && rm -f $P.all.part.* && split -b 15000000 $P.all.tgz $P.all.part.)
+rm -f $P.all.part.*; tar czf $P.all.tgz -C $(dirname $P) $(basename $P) && split -b 15000000 $P.all.tgz $P.all.part.
 sha256sum $P.all.tgz > $P.all.sha; ls -la $P.all.* | tee -a $O/pipeline.log
 log "done"
