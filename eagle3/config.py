@@ -337,6 +337,10 @@ class EvaluateConfig:
     worker: Optional[int] = None  # set by the orchestrator
     devices: list[str] = field(default_factory=list)
     drafter_dir: str = "data/drafters/${model.name}/sharegpt/export/sglang"
+    # the drafter's training features folder(s), comma-separated, instead of the paths its export
+    # records (an export copied from another machine; only each folder's manifest.json is read):
+    # held-out prompts are checked against training and aux ids against extraction
+    train_features_dir: Optional[str] = None
     output_dir: str = "data/eval/${model.name}"
     cache_dir: str = "data/models"
     seed: int = 0

@@ -67,6 +67,42 @@ def test_check_export():
     assert check_export(rtn, info, "sha256:t1") == []
 
 
+def test_training_manifest_of_an_export_copied_from_another_machine(tmp_path):
+    # the export records the folders it was trained on, which do not exist here; copying their
+    # manifest.json along and naming the copies (train_features_dir) restores the checks
+    import shutil
+
+    from toy import write_features
+
+    from eagle3.evaluate.provenance import load_train_manifest
+    from eagle3.io import sha256_file
+
+    a, b = tmp_path / "gpu" / "a", tmp_path / "gpu" / "b"
+    write_features(a, n=6)
+    write_features(b, n=12, seed=1)
+    meta = {"features_dir": [str(tmp_path / "elsewhere" / "a"), str(tmp_path / "elsewhere" / "b")]}
+    manifest, (w,) = load_train_manifest(meta)
+    assert manifest is None and "train_features_dir=" in w and "elsewhere" in w
+    copies = []
+    for d in (a, b):
+        c = tmp_path / "here" / d.name
+        c.mkdir(parents=True)
+        shutil.copy(d / "manifest.json", c / "manifest.json")  # the manifest only, no shards
+        copies.append(c)
+    manifest, w = load_train_manifest(meta, f"{copies[0]}, {copies[1]}")
+    originals = [json.loads((d / "manifest.json").read_text()) for d in (a, b)]
+    assert w == []
+    assert [tuple(p) for p in manifest["plan"]] == [tuple(p) for m in originals for p in m["plan"]]
+    assert len(manifest["plan"]) == 18
+    assert [sid for sid, split in manifest["plan"] if split == "validation"] == ["s5", "s5", "s11"]
+    assert [f["dir"] for f in manifest["features"]] == [str(c) for c in copies]
+    assert [f["manifest_sha256"] for f in manifest["features"]] == [sha256_file(d / "manifest.json") for d in (a, b)]
+    assert manifest["features"][0]["aux_layer_ids"] == [2, 4, 5]
+    # a wrong override is reported, without the hint about copying
+    manifest, (w,) = load_train_manifest(meta, str(tmp_path / "nowhere"))
+    assert manifest is None and "nowhere" in w and "train_features_dir=" not in w
+
+
 # ----------------------------------------------------------------------------- hf loop on tiny models
 def tiny_target():
     torch.manual_seed(0)

@@ -74,7 +74,7 @@ def diagnose(cfg) -> tuple[list[dict], dict]:
     rows.append(check_d2t(files))
     if all(r["status"] != "fail" for r in rows[1:]):
         rows += [r for r in [check_loads(files)] if r]
-    manifest, notes = load_train_manifest(files.meta) if files.meta else (None, [])
+    manifest, notes = load_train_manifest(files.meta, getattr(cfg, "train_features_dir", None)) if files.meta else (None, [])
     architecture = info.architecture if info else cfg.model.architecture
     num_layers = info.num_layers if info else None
     rows.append(check_aux(files, manifest, architecture, num_layers, engine))

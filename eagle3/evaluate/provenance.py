@@ -108,8 +108,13 @@ def check_export(meta: dict, target_info, template_hash: Optional[str]) -> list[
     return warnings
 
 
-def load_train_manifest(meta: dict) -> tuple[Optional[dict], list[str]]:
-    """The training features manifest(s) named in the export meta, merged.
+def load_train_manifest(meta: dict, features_dir: Optional[str] = None) -> tuple[Optional[dict], list[str]]:
+    """The training features manifest(s) named in the export meta (or in ``features_dir``), merged.
+
+    ``features_dir`` (``evaluate.py train_features_dir=...``: one folder, or several
+    comma-separated) replaces the folders the export meta records, for an export copied
+    from the machine it was trained on: copy each features folder's ``manifest.json``
+    along (only the manifest is read, not the shards).
 
     Returns ``(manifest or None, warnings)``; the manifest carries ``plan`` and
     ``splits`` (sample ids), which :func:`eagle3.prompts.load_benchmark` uses to refuse
@@ -121,7 +126,7 @@ def load_train_manifest(meta: dict) -> tuple[Optional[dict], list[str]]:
     from eagle3.features import MANIFEST, load_manifest
     from eagle3.io import sha256_file
 
-    dirs = meta.get("features_dir")
+    dirs = [d.strip() for d in str(features_dir).split(",") if d.strip()] if features_dir else meta.get("features_dir")
     if not dirs:
         return None, ["the export names no features folder: held-out ShareGPT prompts cannot be checked against training"]
     dirs = dirs if isinstance(dirs, list) else [dirs]
@@ -130,7 +135,10 @@ def load_train_manifest(meta: dict) -> tuple[Optional[dict], list[str]]:
         try:
             m = load_manifest(d, require_complete=False)
         except Eagle3Error as e:
-            return None, [f"cannot read the training manifest ({e}); held-out ShareGPT prompts are not checked against training"]
+            hint = "" if features_dir else (" (an export copied from another machine: copy each features folder's "
+                                            "manifest.json along and pass train_features_dir=<folder>[,<folder>...])")
+            return None, [f"cannot read the training manifest ({e}); held-out ShareGPT prompts are not checked "
+                          f"against training{hint}"]
         merged["plan"] += list(m.get("plan") or [])
         for k, ids in (m.get("splits") or {}).items():
             merged["splits"].setdefault(k, []).extend(ids)

@@ -95,7 +95,7 @@ def run_evaluate(cfg) -> dict:
         return run_vllm_stage(cfg, settings, warnings)
     export = read_export(Path(cfg.drafter_dir))  # a damaged export stops here, before any work
     meta = export.meta
-    manifest, w = load_train_manifest(meta)
+    manifest, w = load_train_manifest(meta, getattr(cfg, "train_features_dir", None))
     warnings += w + check_aux_ids(export, manifest, cfg.model.architecture)
     if engine == "hf" and int(cfg.workers) > 1 and cfg.worker is None:
         return run_evaluate_parallel(cfg, settings)

@@ -46,7 +46,7 @@ def read_checked_export(cfg: Any, warnings: list[str]):
         raise Eagle3Error(f"no drafter export at {d} (config.json missing); run train.py first or set "
                           "drafter_dir=<train output_dir>/export/vllm")
     export = read_vllm_export(d)
-    manifest, w = load_train_manifest(export.meta)
+    manifest, w = load_train_manifest(export.meta, getattr(cfg, "train_features_dir", None))
     warnings += w + check_feature_aux_ids(export, manifest, cfg.model.architecture)
     info = resolve_target(cfg.model, cfg.cache_dir)
     tokenizer = load_tokenizer(cfg.model, cfg.cache_dir, info)
