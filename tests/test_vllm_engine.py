@@ -250,6 +250,33 @@ def test_pair_summary_tau_and_speedup_from_hand_computed_counters():
     assert s["requests_where_counters_differ_from_tokens"] == 0
 
 
+def test_the_batch1_pairs_are_the_concurrency_1_row():
+    # two benchmarks; baseline: (10 + 6) tokens in (2.0 + 1.0) s; speculative: (10 + 6) in (1.0 + 1.5) s
+    from eagle3.evaluate.served_vllm_measure import pairs_as_sweep
+    from eagle3.evaluate.served_vllm_results import concurrency_table
+
+    pairs = {"x": [_pair("a", _c(range(10), lat=2.0), _c(range(10), lat=1.0), drafts=4, acc=5, per=[3, 2, 0]),
+                   _pair("b", _c(range(6), lat=1.0), _c(range(6), lat=1.5), drafts=3, acc=2, per=[2, 0, 0])],
+             "y": [_pair("c", _c(range(4), lat=0.5), _c(range(4), lat=0.25), drafts=1, acc=2, per=[1, 1, 0])]}
+    sweep = pairs_as_sweep(pairs)
+    assert sweep["baseline"]["x"].duration_s == pytest.approx(3.0) and sweep["speculative"]["x"].duration_s == 2.5
+    assert sweep["baseline"]["x"].counters is None
+    assert sweep["speculative"]["x"].counters.tau == pytest.approx(1 + 7 / 7)
+    per, pooled = concurrency_table({r: {1: by_b} for r, by_b in sweep.items()}, ["x", "y"], [1], depth=3)
+    (row,) = per["x"]
+    assert row["concurrency"] == 1 and row["effective_concurrency"] == 1
+    assert row["baseline"]["output_tokens_per_s"] == pytest.approx(16 / 3.0)
+    assert row["speculative"]["output_tokens_per_s"] == pytest.approx(16 / 2.5)
+    assert row["speedup"] == pytest.approx((16 / 2.5) / (16 / 3.0))
+    assert row["speculative"]["acceptance_length"] == pytest.approx(2.0)
+    assert row["speculative"]["per_position_acceptance"] == pytest.approx([5 / 7, 2 / 7, 0.0])
+    assert row["baseline"]["ran_first"] is None  # interleaved prompt by prompt, not one server's run
+    (all_,) = pooled
+    assert all_["baseline"]["output_tokens_per_s"] == pytest.approx(20 / 3.5)
+    assert all_["speculative"]["output_tokens_per_s"] == pytest.approx(20 / 2.75)
+    assert all_["speculative"]["acceptance_length"] == pytest.approx(1 + 9 / 8)
+
+
 def test_bootstrap_interval_and_the_no_speedup_wording():
     lo, hi = bootstrap_median_ci([1.2] * 5, seed=0)
     assert lo == pytest.approx(1.2) and hi == pytest.approx(1.2)

@@ -142,7 +142,7 @@ def evaluate_servers(cfg: Any, settings, export, info, tokenizer, benchmarks: di
             :func:`~eagle3.evaluate.served_vllm_servers.check_servers`, or a failing request.
     """
     from eagle3.evaluate.served_results import PLOT_NAME, plot_throughput
-    from eagle3.evaluate.served_vllm_measure import Servers, measure_pairs, sweep_concurrency, warm_up
+    from eagle3.evaluate.served_vllm_measure import Servers, measure_pairs, pairs_as_sweep, sweep_concurrency, warm_up
     from eagle3.evaluate.served_vllm_servers import cap_warnings, check_servers, open_servers
     from eagle3.target import render_prompt, resolve_target
 
@@ -161,7 +161,10 @@ def evaluate_servers(cfg: Any, settings, export, info, tokenizer, benchmarks: di
         pairs = measure_pairs(servers, rows, lambda msgs: render_prompt(tokenizer, msgs),
                               lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
         prompts = {n: [p.prompt_ids for p in ps] for n, ps in pairs.items()}
-        sweep = sweep_concurrency(servers, prompts, concurrency)
+        sweep = sweep_concurrency(servers, prompts, [c for c in concurrency if c != 1])
+        if 1 in concurrency:  # what the interleaved pairs measured
+            for role, runs in pairs_as_sweep(pairs).items():
+                sweep[role][1] = runs
     finally:
         for s in opened.values():
             s.stop()
@@ -227,5 +230,6 @@ def write_request_log(pairs: dict, sweep: dict, path: Path) -> None:
                 for name, run in by_b.items():
                     f.write(json.dumps({"phase": "sweep", "role": role, "concurrency": c, "benchmark": name,
                                         "duration_s": run.duration_s, "output_tokens": run.output_tokens,
-                                        "ran_first": run.order_index == 0}) + "\n")
+                                        "ran_first": run.order_index == 0 if run.order_index >= 0 else None,
+                                        "from_batch1_pairs": run.order_index < 0}) + "\n")
     os.replace(tmp, path)

@@ -6,7 +6,8 @@ prompt to prompt (so drift of a shared machine hits both alike), with the same
 rendered prompt ids (a later turn carries the *baseline's* decoded answer, so both
 servers see identical prompts and the greedy outputs can be compared); the speculative
 server's ``/metrics`` counters are read before and after each of its requests, which
-makes the delta that request's own (nothing else runs on it).
+makes the delta that request's own (nothing else runs on it). The pairs are also the
+sweep's concurrency-1 row (:func:`pairs_as_sweep`).
 
 :func:`sweep_concurrency` runs each benchmark's turn prompts on both servers with at most
 ``c`` requests in flight, baseline and speculative alternating which goes first, the
@@ -55,7 +56,7 @@ class SweepRun:
     completions: list[Completion]
     duration_s: float
     counters: Optional[SpecCounters] = None
-    order_index: int = 0
+    order_index: int = 0  # 0 ran first, 1 second; -1 interleaved prompt by prompt (:func:`pairs_as_sweep`)
 
     @property
     def output_tokens(self) -> int:
@@ -150,6 +151,27 @@ def measure_pairs(servers: Servers, benchmarks: dict[str, list[dict]], render: C
     return out
 
 
+def pairs_as_sweep(pairs: dict[str, list[Pair]]) -> dict[str, dict[str, SweepRun]]:
+    """The batch-1 pairs in the shape of a concurrency-1 sweep row: ``{role: {benchmark: SweepRun}}``.
+
+    Each role's run holds its answers of the pairs; its ``duration_s`` is the sum of their
+    latencies (seconds; the requests ran one at a time, so this is the run's wall time less
+    the other server's requests and the ``/metrics`` reads between them), and the
+    speculative run's counters are the sum of the per-request deltas. A concurrency-1 run
+    would send every turn again, one at a time, and measure the same thing a second time;
+    the SGLang path does the same (:func:`eagle3.evaluate.served.pairs_as_sweep`).
+    ``order_index`` is -1: the two servers alternated which went first, prompt by prompt.
+    """
+    out: dict[str, dict[str, SweepRun]] = {r: {} for r in ROLES}
+    for name, ps in pairs.items():
+        counters = SpecCounters()
+        for p in ps:
+            counters = counters + p.counters
+        out["baseline"][name] = SweepRun([p.base for p in ps], sum(p.base.latency_s for p in ps), None, -1)
+        out["speculative"][name] = SweepRun([p.spec for p in ps], sum(p.spec.latency_s for p in ps), counters, -1)
+    return out
+
+
 def _run(servers: Servers, role: str, prompts: list[list[int]], c: int) -> SweepRun:
     client = servers.client(role)
     client.reset_prefix_cache()
@@ -164,7 +186,8 @@ def _run(servers: Servers, role: str, prompts: list[list[int]], c: int) -> Sweep
 
 def sweep_concurrency(servers: Servers, prompts: dict[str, list[list[int]]],
                       concurrency: list[int]) -> dict[str, dict[int, dict[str, SweepRun]]]:
-    """Both servers, every benchmark, every concurrency (see the module docstring).
+    """Both servers, every benchmark, every concurrency in ``concurrency`` (see the module
+    docstring; concurrency 1 comes from the pairs instead, :func:`pairs_as_sweep`).
 
     Returns:
         ``{role: {c: {benchmark: SweepRun}}}``.
