@@ -230,6 +230,6 @@ def write_request_log(pairs: dict, sweep: dict, path: Path) -> None:
                 for name, run in by_b.items():
                     f.write(json.dumps({"phase": "sweep", "role": role, "concurrency": c, "benchmark": name,
                                         "duration_s": run.duration_s, "output_tokens": run.output_tokens,
-                                        "ran_first": run.order_index == 0 if run.order_index >= 0 else None,
+                                        "ran_first": run.ran_first,
                                         "from_batch1_pairs": run.order_index < 0}) + "\n")
     os.replace(tmp, path)

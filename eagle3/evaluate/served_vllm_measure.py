@@ -59,6 +59,11 @@ class SweepRun:
     order_index: int = 0  # 0 ran first, 1 second; -1 interleaved prompt by prompt (:func:`pairs_as_sweep`)
 
     @property
+    def ran_first(self) -> Optional[bool]:
+        """Whether this server's run went before the other's (None: interleaved, the pairs)."""
+        return self.order_index == 0 if self.order_index >= 0 else None
+
+    @property
     def output_tokens(self) -> int:
         """Completion tokens of the run."""
         return sum(c.completion_tokens for c in self.completions)

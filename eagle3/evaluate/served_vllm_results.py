@@ -143,7 +143,7 @@ def _run_summary(run: SweepRun, depth: int) -> dict:
     out: dict[str, Any] = {"requests": len(run.completions), "duration_s": run.duration_s,
                            "output_tokens": run.output_tokens,
                            "output_tokens_per_s": run.output_tokens / run.duration_s if run.duration_s > 0 else None,
-                           "ran_first": run.order_index == 0 if run.order_index >= 0 else None}
+                           "ran_first": run.ran_first}
     if run.counters is not None:
         out.update(acceptance_length=run.counters.tau, acceptance_rate=run.counters.acceptance_rate,
                    verify_passes=int(run.counters.drafts), per_position_acceptance=run.counters.per_position_acceptance(depth))
