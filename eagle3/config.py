@@ -234,6 +234,10 @@ class LoopConfig:
     save_every: int = 200
     tracker: str = "tensorboard"  # tensorboard | none
     num_workers: int = 0
+    # wall-clock budget of one launch in minutes (from the start of the build): past it the run stops
+    # after the current optimizer step and finishes as at its last step (checkpoint, validation,
+    # exports; metrics.json says so); resuming with a later budget continues the same schedule.
+    time_limit_min: Optional[float] = None
 
 
 @dataclass

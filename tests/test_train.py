@@ -73,6 +73,26 @@ def test_five_steps_equal_three_plus_resume_plus_two(tmp_path):
     assert again["step"] == 5
 
 
+def test_a_time_limited_run_exports_early_and_resumes_to_the_same_drafter(tmp_path):
+    write_features(tmp_path / "f", n=30)
+    tgt, E = tiny_target(), embed()
+    over = {"loop.max_steps": 4}
+    full = train_drafter(make_cfg(tmp_path / "f", tmp_path / "a", **over), tgt, E)
+    assert (full["step"], full["planned_steps"], full["time_limited"]) == (4, 4, False)
+    # a limit already passed when the loop starts: one optimizer step, then a normal finish
+    early = train_drafter(make_cfg(tmp_path / "f", tmp_path / "b", **over, **{"loop.time_limit_min": 1e-9}), tgt, E)
+    assert (early["step"], early["planned_steps"], early["time_limited"]) == (1, 4, True)
+    meta = json.loads((tmp_path / "b" / "export" / "sglang" / "eagle3_meta.json").read_text())
+    assert meta["train_step"] == 1
+    assert json.loads((tmp_path / "b" / "metrics.json").read_text())["time_limited"] is True
+    # resumed without the limit, the run continues its schedule to the drafter of the uninterrupted run
+    rest = train_drafter(make_cfg(tmp_path / "f", tmp_path / "b", **over), tgt, E)
+    assert (rest["step"], rest["time_limited"], rest["launch_first_step"]) == (4, False, 1)
+    ea = load_file(str(tmp_path / "a" / "export" / "sglang" / "model.safetensors"))
+    eb = load_file(str(tmp_path / "b" / "export" / "sglang" / "model.safetensors"))
+    assert ea.keys() == eb.keys() and all(torch.equal(ea[k], eb[k]) for k in ea)
+
+
 @torch.no_grad()
 def rule_hit_rate(drafter, samples) -> float:
     """Share of positions whose first draft (TTT step 0, as a server drafts after a

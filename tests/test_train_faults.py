@@ -17,7 +17,7 @@ from toy import embed, make_cfg, tiny_target, write_features
         ("optim.lr", -1.0), ("optim.lr", 0.0), ("optim.weight_decay", -0.1), ("optim.betas", [0.9, 1.0]),
         ("optim.betas", [0.9]), ("optim.warmup_ratio", 1.0), ("optim.grad_clip", -1.0), ("optim.scheduler", "reduce_lr_on_plateau"), ("optim.scheduler", "cosin"),
         ("loop.epochs", 0), ("loop.max_steps", 0), ("loop.max_tokens_per_batch", 4), ("loop.grad_accum", 0),
-        ("loop.log_every", 0), ("loop.save_every", 0), ("loop.eval_every", 0), ("loop.num_workers", -1),
+        ("loop.log_every", 0), ("loop.save_every", 0), ("loop.eval_every", 0), ("loop.num_workers", -1), ("loop.time_limit_min", 0.0),
         ("loop.mixed_precision", "fp8"), ("loop.tracker", "wandb"), ("drafter.ttt_steps", 0),
         ("drafter.step_weight", 0.0), ("drafter.lm_head_init", "zeros"),
     ],

@@ -61,7 +61,8 @@ def _refuse_mostly_skipped(run: Run, progress: Progress) -> None:
 
 
 def finish(run: Run, progress: Progress) -> dict:
-    """Checkpoint, final validation, exports and ``metrics.json`` of a run that reached its last step.
+    """Checkpoint, final validation, exports and ``metrics.json`` of a run that reached its last
+    step, or stopped early by ``loop.time_limit_min`` (``metrics["time_limited"]``).
 
     Every process calls it (the checkpoint, the validation and an FSDP gather are
     collective); the main process exports and writes the files.
@@ -101,6 +102,9 @@ def _metrics(run: Run, progress: Progress, last_val: Optional[dict]) -> dict:
     return {
         "output_dir": str(run.output_dir),
         "step": state.step,
+        "planned_steps": run.total_steps,
+        # stopped by loop.time_limit_min before planned_steps (the schedule had not ended)
+        "time_limited": progress.time_limited,
         "epoch": state.epoch,
         "train_tokens": state.tokens,
         # the last log interval's training metrics; an interval never spans a resume, so after

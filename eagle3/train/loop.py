@@ -36,7 +36,8 @@ class Progress:
     ``last_train``: training metrics of the last log interval (:func:`~eagle3.train.ttt.summarize`);
     ``last_val``: the last validation metrics (None before the first); ``train_time``: seconds
     spent in training steps (validation excluded); ``session_tokens``: tokens trained on in
-    this launch; ``interrupted``: stopped by ``stop_after``.
+    this launch; ``interrupted``: stopped by ``stop_after``; ``time_limited``: stopped by
+    ``loop.time_limit_min`` before the last step (the run still finishes and exports).
     """
 
     last_train: dict = field(default_factory=dict)
@@ -47,6 +48,7 @@ class Progress:
     session_samples: int = 0  # samples this process's micro-batches held, non-finite ones included
     session_skipped: int = 0  # of those, skipped for non-finite features
     interrupted: bool = False
+    time_limited: bool = False
     _clock: float = 0.0
 
     def start_clock(self) -> None:
@@ -182,8 +184,14 @@ def train_loop(run: Run, stop_after: Optional[int] = None,
                 break
             if state.step >= run.total_steps:
                 break
+            if _time_is_up(run):
+                progress.time_limited = True
+                log.warning("loop.time_limit_min=%s reached at step %d of %d: finishing now (checkpoint, "
+                            "validation, exports); the learning-rate schedule had not ended, resume with a "
+                            "larger limit to continue it", run.cfg.loop.time_limit_min, state.step, run.total_steps)
+                break
         progress.stop_clock()
-        if progress.interrupted or state.step >= run.total_steps:
+        if progress.interrupted or progress.time_limited or state.step >= run.total_steps:
             break
         state.epoch += 1
         state.batch_in_epoch = 0
@@ -192,6 +200,23 @@ def train_loop(run: Run, stop_after: Optional[int] = None,
     pbar.close()
     fold_run_stats(run, interval)  # before the checkpoint of stop() or finish()
     return progress
+
+
+def _time_is_up(run: Run) -> bool:
+    """Whether ``loop.time_limit_min`` minutes have passed since the build began (``run.started``).
+
+    Several processes decide together (a sum of flags over processes), so all stop after the
+    same optimizer step even when their clocks straddle the limit.
+    """
+    limit = run.cfg.loop.time_limit_min
+    if limit is None:
+        return False
+    up = time.perf_counter() - run.started >= 60.0 * limit
+    acc = run.accelerator
+    if acc.num_processes > 1:
+        flag = torch.tensor([int(up)], dtype=torch.int64, device=acc.device)
+        up = bool(acc.reduce(flag, reduction="sum").item())
+    return up
 
 
 def _epoch_loader(run: Run, epoch_batches: list[list[int]]) -> torch.utils.data.DataLoader:

@@ -43,6 +43,8 @@ def _bad_setting(cfg: Any) -> Optional[str]:
         ("loop.save_every", lp.save_every, lp.save_every >= 1, "must be >= 1"),
         ("loop.eval_every", lp.eval_every, lp.eval_every is None or lp.eval_every >= 1, "must be >= 1 or null"),
         ("loop.num_workers", lp.num_workers, lp.num_workers >= 0, "must be >= 0"),
+        ("loop.time_limit_min", lp.time_limit_min, lp.time_limit_min is None or lp.time_limit_min > 0,
+         "must be > 0 (minutes) or null"),
         ("loop.mixed_precision", lp.mixed_precision, lp.mixed_precision in MIXED_PRECISION,
          f"must be one of {', '.join(MIXED_PRECISION)}"),
         ("loop.tracker", lp.tracker, lp.tracker in ("tensorboard", "none"), "must be tensorboard or none"),
