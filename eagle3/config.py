@@ -159,12 +159,16 @@ class ParallelConfig:
     """Data-parallel extraction with the in-process ``hf`` engine: ``workers`` processes,
     one target replica each (``devices[i]``, default ``cuda:i``, or ``cpu`` for all on a
     CPU), each extracting every ``workers``-th generation window; the orchestrator
-    merges their shards into one manifest. ``worker`` is set by the orchestrator.
+    merges their shards into one manifest. ``worker`` is set by the orchestrator; a worker
+    that crashed is started again ``retries`` times, resuming its finished shards.
     (SGLang: list several servers in ``engine.urls`` instead; one process feeds them.)"""
 
     workers: int = 1
     worker: Optional[int] = None
     devices: list[str] = field(default_factory=list)
+    # a worker that crashed (not a settings error) is started again this many times, resuming its
+    # finished shards: e.g. CUDA out of memory while many replicas share one GPU
+    retries: int = 1
 
 
 @dataclass

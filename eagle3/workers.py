@@ -34,35 +34,50 @@ def _entry(fn_path: str, cfg: Any, worker: int, threads: int) -> None:
         sys.exit(2)
 
 
-def run_workers(fn_path: str, cfgs: Sequence[Any], what: str) -> None:
+def run_workers(fn_path: str, cfgs: Sequence[Any], what: str, retries: int = 0) -> None:
     """Run ``fn(cfgs[w])`` in one spawned process per worker and wait for all.
+
+    A worker that died of something other than a setting the user must fix (exit code 2,
+    an :class:`~eagle3.errors.Eagle3Error`) is started again, alone with the others that
+    failed, up to ``retries`` times: a CUDA out-of-memory error among replicas sharing one
+    GPU, or a process killed by the host, usually passes once the other workers are done.
+    The stage function must resume from the work it finished (extraction does).
 
     Args:
         fn_path: dotted path of the stage function (``eagle3.extract.run.run_extract``).
         cfgs: one config per worker.
         what: the stage's name in messages (``extraction``, ``evaluation``).
+        retries: how many times failed workers are started again (0: never).
 
     Raises:
-        Eagle3Error: one or more workers exited non-zero (their finished work is kept;
+        Eagle3Error: one or more workers still failed (their finished work is kept;
             the message says to run the same command again).
     """
     import os
 
     ctx = mp.get_context("spawn")
     threads = max(1, (os.cpu_count() or 1) // max(1, len(cfgs)))
-    procs = []
-    for w, c in enumerate(cfgs):
-        p = ctx.Process(target=_entry, args=(fn_path, c, w, threads), name=f"{what}-worker-{w}")
-        p.start()
-        procs.append(p)
-    try:
-        for p in procs:
-            p.join()
-    except KeyboardInterrupt:
-        for p in procs:
-            p.terminate()
-        raise
-    failed = [(w, p.exitcode) for w, p in enumerate(procs) if p.exitcode != 0]
+    todo = list(range(len(cfgs)))
+    for attempt in range(retries + 1):
+        procs = {}
+        for w in todo:
+            p = ctx.Process(target=_entry, args=(fn_path, cfgs[w], w, threads), name=f"{what}-worker-{w}")
+            p.start()
+            procs[w] = p
+        try:
+            for p in procs.values():
+                p.join()
+        except KeyboardInterrupt:
+            for p in procs.values():
+                p.terminate()
+            raise
+        failed = [(w, p.exitcode) for w, p in procs.items() if p.exitcode != 0]
+        retryable = [w for w, code in failed if code != 2]
+        if not failed or len(retryable) < len(failed) or attempt == retries:
+            break
+        todo = retryable
+        log.warning("%s worker(s) %s failed (exit code %s); starting them again to resume their work (retry %d of %d)",
+                    what, ", ".join(str(w) for w in todo), ", ".join(str(c) for _, c in failed), attempt + 1, retries)
     if failed:
         raise Eagle3Error(
             f"{what} worker(s) " + ", ".join(f"{w} (exit code {c})" for w, c in failed)

@@ -31,13 +31,16 @@ def run_parallel(cfg) -> dict:
     shared output folder (shard files by global index, its own part manifest); when all
     have finished, :meth:`eagle3.features.FeatureWriter.merge_parts` writes one
     ``manifest.json`` listing every planned sample exactly once. Running the same command
-    again after an interruption resumes every worker.
+    again after an interruption resumes every worker; a worker that crashed (CUDA out of
+    memory, killed) is first started again ``parallel.retries`` times by this run.
 
     Raises:
         Eagle3Error: bad parallel settings, a failed worker (its finished shards are kept),
             or an inconsistent merge.
     """
     n = int(cfg.parallel.workers)
+    if int(cfg.parallel.retries) < 0:
+        raise Eagle3Error(f"parallel.retries={cfg.parallel.retries} must be >= 0 (0: a crashed worker is not started again)")
     if getattr(cfg.engine, "name", None) != "hf":
         raise Eagle3Error(
             f"parallel.workers={n} runs target replicas of the in-process hf engine; with engine="
@@ -58,7 +61,7 @@ def run_parallel(cfg) -> dict:
         wcfg.output_dir = str(out_dir)
         cfgs.append(wcfg)
     t0 = time.time()
-    run_workers("eagle3.extract.run.run_extract", cfgs, "extraction")
+    run_workers("eagle3.extract.run.run_extract", cfgs, "extraction", retries=int(cfg.parallel.retries))
     writer = features.FeatureWriter.merge_parts(out_dir, n)
     side: dict = {}
     runs = []
