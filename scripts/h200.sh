@@ -18,6 +18,10 @@
 # set offline) into $RUN/features-gsm8k; train then reads both folders when that extraction
 # finished, and evaluation scores GSM8K on the 60 held-out questions (those trained on are left out). A multi-turn extraction (MAX_TURNS > 1) is
 # planned by turn count; every turn (MAX_TURNS=null) is slow: docs/performance.md.
+# extract_sampled (not in the default STAGES) answers the same ShareGPT prompts once more at
+# temperature SAMPLED_TEMPERATURE (first turn) into $RUN/features-sampled; train then reads it
+# too (the best recipe so far: docs/results.md, 2026-12-03, third session):
+#   STAGES="extract extract_gsm8k extract_sampled train evaluate timing" MAX_TURNS=2 bash scripts/h200.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN=${RUN:-runs/h200}
@@ -33,6 +37,7 @@ TIMING_PROMPTS=${TIMING_PROMPTS:-10}
 STAGES=${STAGES:-"extract extract_gsm8k train bench_train evaluate timing bench_extract fsdp_check"}
 FEAT=${FEAT:-$RUN/features}
 TRAIN_OVERRIDES=${TRAIN_OVERRIDES:-}
+SAMPLED_TEMPERATURE=${SAMPLED_TEMPERATURE:-0.7}
 DRAFTER=$RUN/drafter
 mkdir -p "$RUN"
 export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=10
@@ -55,8 +60,16 @@ for stage in $STAGES; do
       engine.generate_batch_size=32 output_dir="$RUN/features-gsm8k" \
       parallel.workers="$EXTRACT_WORKERS" parallel.devices="$(same_gpu "$EXTRACT_WORKERS")" 2>&1 | tee "$RUN/extract-gsm8k.log"
     ;;
+  extract_sampled)
+    python extract.py engine.device=cuda data.limit="$PROMPTS" capture.max_turns=1 sampling.max_new_tokens="$MAX_NEW_TOKENS" \
+      sampling.temperature="$SAMPLED_TEMPERATURE" sampling.seed=1 output_dir="$RUN/features-sampled" \
+      engine.max_batch_tokens=32768 parallel.workers="$EXTRACT_WORKERS" parallel.devices="$(same_gpu "$EXTRACT_WORKERS")" 2>&1 | tee "$RUN/extract-sampled.log"
+    ;;
   train)
-    feats="$FEAT"; grep -qs '"complete": true' "$RUN/features-gsm8k/manifest.json" && feats="$FEAT,$RUN/features-gsm8k"
+    feats="$FEAT"
+    for extra in features-gsm8k features-sampled; do
+      grep -qs '"complete": true' "$RUN/$extra/manifest.json" && feats="$feats,$RUN/$extra"
+    done
     python train.py experiment=h200 loop.epochs="$EPOCHS" features_dir="'$feats'" output_dir="$DRAFTER" \
       $TRAIN_OVERRIDES 2>&1 | tee "$RUN/train.log"
     ;;
