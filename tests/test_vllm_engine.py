@@ -442,3 +442,54 @@ def test_cpu_flags_are_read_from_the_flags_line(tmp_path):
     f.write_text("processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx avx2 fma\n\nprocessor\t: 1\n")
     assert cpu_flags(str(f)) == {"fpu", "avx", "avx2", "fma"}
     assert cpu_flags(str(tmp_path / "missing")) is None
+
+
+class _FakeVLLM:
+    """A client answering every completion with two tokens and exposing no spec counters."""
+
+    def __init__(self):
+        self.prompts = []
+
+    def complete(self, body):
+        from eagle3.engines.vllm import Completion
+
+        self.prompts.append(list(body["prompt"]))
+        return Completion(output_ids=[7, 8], ttft_s=0.01, latency_s=0.02, finish_reason="length",
+                          usage={"completion_tokens": 2})
+
+    def metrics_text(self):
+        return ""
+
+
+def test_prompt_limit_is_the_servers_context_less_the_reply_or_max_prompt_tokens():
+    from eagle3.evaluate.served_vllm_measure import prompt_limit
+
+    assert prompt_limit([2048, 2048], 128, 2048) == (1920, "the servers' max_model_len 2048 less max_new_tokens 128")
+    assert prompt_limit([4096, 2048], 128, 1000) == (1000, "max_prompt_tokens=1000")
+    assert prompt_limit([None], 64, None) == (None, "")
+
+
+def test_turns_too_long_for_the_servers_are_skipped_not_sent():
+    """A ShareGPT prompt of 2,364 tokens against max_model_len 2048 stopped a served run with
+    HTTP 400; such turns are now skipped (counted) and end their conversation."""
+    from eagle3.errors import Eagle3Error
+    from eagle3.evaluate.served_vllm_measure import Servers, measure_pairs
+
+    render = lambda msgs: [1] * sum(len(m["content"]) for m in msgs)  # one token per character
+    decode = lambda ids: "x" * len(ids)
+    rows = {"bench": [
+        {"id": "a", "messages": [{"role": "user", "content": "a" * 5}]},
+        {"id": "b", "messages": [{"role": "user", "content": "b" * 50}]},  # 50 > 20: skipped
+        {"id": "c", "messages": [{"role": "user", "content": "c" * 10}, {"role": "assistant", "content": "r"},
+                                 {"role": "user", "content": "d" * 10}]},  # turn 2: 10 + 2 + 10 = 22 > 20
+    ], "none_fit": [{"id": "e", "messages": [{"role": "user", "content": "e" * 21}]}]}
+    base, spec = _FakeVLLM(), _FakeVLLM()
+    warnings = []
+    pairs = measure_pairs(Servers(base, spec), rows, render, decode, 20, "the servers' max_model_len", warnings)
+    assert list(pairs) == ["bench"]  # a benchmark none of whose prompts fits is left out
+    assert [(p.sample_id, p.turn) for p in pairs["bench"]] == [("a", 0), ("c", 0)]
+    assert [len(x) for x in base.prompts] == [5, 10] and [len(x) for x in spec.prompts] == [5, 10]
+    assert warnings[0].startswith("bench: 2 prompts longer than 20 tokens (the servers' max_model_len) were skipped")
+    assert warnings[1].startswith("none_fit: 1 prompts longer than 20 tokens")
+    with pytest.raises(Eagle3Error, match="no benchmark prompt is 20 tokens or shorter"):
+        measure_pairs(Servers(_FakeVLLM(), _FakeVLLM()), {"none_fit": rows["none_fit"]}, render, decode, 20, "x")

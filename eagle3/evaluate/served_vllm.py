@@ -142,7 +142,8 @@ def evaluate_servers(cfg: Any, settings, export, info, tokenizer, benchmarks: di
             :func:`~eagle3.evaluate.served_vllm_servers.check_servers`, or a failing request.
     """
     from eagle3.evaluate.served_results import PLOT_NAME, plot_throughput
-    from eagle3.evaluate.served_vllm_measure import Servers, measure_pairs, pairs_as_sweep, sweep_concurrency, warm_up
+    from eagle3.evaluate.served_vllm_measure import (Servers, measure_pairs, pairs_as_sweep, prompt_limit,
+                                                     sweep_concurrency, warm_up)
     from eagle3.evaluate.served_vllm_servers import cap_warnings, check_servers, open_servers
     from eagle3.target import render_prompt, resolve_target
 
@@ -155,11 +156,15 @@ def evaluate_servers(cfg: Any, settings, export, info, tokenizer, benchmarks: di
         for w in warnings:
             log.warning(w)
         servers = Servers(opened["baseline"].client, opened["speculative"].client, _request_body(cfg, tokenizer))
-        first = next(iter(rows.values()))[0]
-        warm_up(servers, render_prompt(tokenizer, [m for m in first["messages"] if m["role"] == "user"][:1]),
-                int(cfg.warmup_prompts))
+        limit, why = prompt_limit([d.get("effective", {}).get("max_model_len") for d in desc.values()],
+                                  int(cfg.max_new_tokens), getattr(cfg, "max_prompt_tokens", None))
+        firsts = (render_prompt(tokenizer, [m for m in r["messages"] if m["role"] == "user"][:1])
+                  for rs in rows.values() for r in rs)
+        warm = next((p for p in firsts if limit is None or len(p) <= limit), None)
+        if warm is not None:  # none fits: measure_pairs says so
+            warm_up(servers, warm, int(cfg.warmup_prompts))
         pairs = measure_pairs(servers, rows, lambda msgs: render_prompt(tokenizer, msgs),
-                              lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+                              lambda ids: tokenizer.decode(ids, skip_special_tokens=True), limit, why, warnings)
         prompts = {n: [p.prompt_ids for p in ps] for n, ps in pairs.items()}
         sweep = sweep_concurrency(servers, prompts, [c for c in concurrency if c != 1])
         if 1 in concurrency:  # what the interleaved pairs measured

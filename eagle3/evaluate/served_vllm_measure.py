@@ -117,20 +117,52 @@ def warm_up(servers: Servers, prompt: list[int], n: int) -> None:
             servers.client(role).complete(dict(servers.body, prompt=list(prompt)))
 
 
+def prompt_limit(max_model_lens: list[Optional[int]], max_new_tokens: int,
+                 max_prompt_tokens: Optional[int]) -> tuple[Optional[int], str]:
+    """The longest prompt (tokens) both servers accept with room for ``max_new_tokens``, and why.
+
+    vLLM refuses a request whose prompt plus ``max_tokens`` exceeds its ``max_model_len``
+    (HTTP 400), so a turn longer than ``min(max_model_len) - max_new_tokens`` is skipped
+    rather than sent; ``max_prompt_tokens`` (the in-process engine's limit) applies too.
+
+    Returns:
+        ``(limit or None, the setting it comes from)``, e.g. ``(1920, "the servers' max_model_len
+        2048 less max_new_tokens 128")``.
+    """
+    lens = [int(n) for n in max_model_lens if n]
+    cands: list[tuple[int, str]] = []
+    if lens:
+        cands.append((min(lens) - int(max_new_tokens),
+                      f"the servers' max_model_len {min(lens)} less max_new_tokens {int(max_new_tokens)}"))
+    if max_prompt_tokens:
+        cands.append((int(max_prompt_tokens), f"max_prompt_tokens={int(max_prompt_tokens)}"))
+    if not cands:
+        return None, ""
+    return min(cands)
+
+
 def measure_pairs(servers: Servers, benchmarks: dict[str, list[dict]], render: Callable[[list[dict]], list[int]],
-                  decode: Callable[[list[int]], str]) -> dict[str, list[Pair]]:
+                  decode: Callable[[list[int]], str], max_prompt_tokens: Optional[int] = None,
+                  why: str = "", warnings: Optional[list[str]] = None) -> dict[str, list[Pair]]:
     """Every turn of every prompt on both servers at batch 1, interleaved (see the module docstring).
+
+    A turn whose rendered prompt is longer than ``max_prompt_tokens`` is not sent and ends
+    its row (earlier turns are kept), as the in-process evaluation does; the count per
+    benchmark goes to ``warnings`` with ``why`` (the limit's source, :func:`prompt_limit`).
 
     Args:
         benchmarks: name -> rows with ``id`` and ``messages``.
         render: messages -> prompt ids (the target's chat template). decode: ids -> text.
+        max_prompt_tokens: the longest prompt sent (tokens); None = no limit.
 
     Returns:
-        ``{benchmark: [Pair, ...]}`` in prompt order.
+        ``{benchmark: [Pair, ...]}`` in prompt order; a benchmark none of whose prompts
+        fits is left out.
 
     Raises:
-        eagle3.errors.Eagle3Error: a request that keeps failing.
+        eagle3.errors.Eagle3Error: a request that keeps failing, or no prompt that fits.
     """
+    from eagle3.errors import Eagle3Error
     from tqdm.auto import tqdm
 
     out: dict[str, list[Pair]] = {}
@@ -139,12 +171,16 @@ def measure_pairs(servers: Servers, benchmarks: dict[str, list[dict]], render: C
     k = 0
     for name, rows in benchmarks.items():
         out[name] = []
+        skipped = 0
         for sample in rows:
             order = ROLES if k % 2 == 0 else ROLES[::-1]
             history: list[dict] = []
             for turn, text in enumerate(_user_turns(sample)):
                 history.append({"role": "user", "content": text})
                 prompt = render(history)
+                if max_prompt_tokens is not None and len(prompt) > max_prompt_tokens:
+                    skipped += 1
+                    break
                 got = {role: _one(servers, role, prompt) for role in order}
                 out[name].append(Pair(name, str(sample["id"]), turn, prompt, got["baseline"][0], got["speculative"][0],
                                       got["speculative"][1], order))
@@ -152,7 +188,18 @@ def measure_pairs(servers: Servers, benchmarks: dict[str, list[dict]], render: C
             k += 1
             bar.update(1)
         log.info("%s: %d turns measured at batch 1", name, len(out[name]))
+        if skipped:
+            msg = (f"{name}: {skipped} prompts longer than {max_prompt_tokens} tokens ({why}) were skipped"
+                   + (" (a later turn ends its conversation there)" if any(len(_user_turns(r)) > 1 for r in rows) else ""))
+            log.warning(msg)
+            if warnings is not None:
+                warnings.append(msg)
+        if not out[name]:
+            del out[name]
     bar.close()
+    if not out:
+        raise Eagle3Error(f"no benchmark prompt is {max_prompt_tokens} tokens or shorter ({why}); raise the servers' "
+                          "engine.max_model_len or lower max_new_tokens")
     return out
 
 
