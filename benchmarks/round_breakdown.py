@@ -39,15 +39,20 @@ def main(argv=None) -> dict:
     ap.add_argument("--draft-vocab", type=int, default=32000)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--cache-slots", type=int, default=None,
+                    help="KV slots of the static caches (default prompt + 64; evaluation's are 2183)")
+    ap.add_argument("--min-span", type=int, default=256,
+                    help="smallest attention span (SlotCache.span_for); 0 = attend over all slots")
     a = ap.parse_args(argv)
     dev = torch.device("cuda" if a.device == "auto" and torch.cuda.is_available() else
                        ("cpu" if a.device == "auto" else a.device))
     target = _target(a, dev, getattr(torch, a.dtype))
     aux_ids = _aux_ids(target.config.num_hidden_layers)
     drafter = _drafter(target, a.draft_vocab, dev, getattr(torch, a.dtype))
-    P, max_len = a.prompt_len, a.prompt_len + 64
-    runner = StaticTargetRunner(target, aux_ids, max_len=max_len)
-    prop = StaticEagle3Proposer(drafter, aux_ids, max_len=max_len)
+    P, max_len = a.prompt_len, a.cache_slots or a.prompt_len + 64
+    span = a.min_span or None
+    runner = StaticTargetRunner(target, aux_ids, max_len=max_len, min_span=span)
+    prop = StaticEagle3Proposer(drafter, aux_ids, max_len=max_len, min_span=span)
     s, _ = SpecSettings.make(3, 1, 4)
     ids = torch.randint(0, target.config.vocab_size, (1, P), device=dev)
     out: dict[str, dict] = {}
@@ -98,7 +103,8 @@ def main(argv=None) -> dict:
             out[name] = {"queued_ms": queued, "synced_ms": synced}
     print(f"\n{torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}, {a.dtype}, "
           f"{target.config.num_hidden_layers} layers, prompt {P}, draft vocab {drafter.arch.draft_vocab_size}, "
-          f"CUDA graphs {runner.cuda_graphs}, {a.iters} calls each")
+          f"CUDA graphs {runner.cuda_graphs}, {a.iters} calls each, {max_len} cache slots, "
+          f"attention over {runner.cache.span} of them")
     print(f"{'call':34s} {'queued ms':>10s} {'synced ms':>10s}")
     for name, r in out.items():
         print(f"{name:34s} {r['queued_ms']:10.3f} {r['synced_ms']:10.3f}")

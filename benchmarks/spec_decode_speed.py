@@ -116,8 +116,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--topk", type=int, default=1)
     ap.add_argument("--draft-tokens", type=int, default=4)
     ap.add_argument("--methods", default="hf_eager,hf_static,base_dynamic,base_static,spec_dynamic,spec_static,"
-                                          "forced_dynamic,forced_static")
+                                          "forced_dynamic,forced_static",
+                    help="also base_static_fullspan, spec_static_fullspan, forced_static_fullspan")
     ap.add_argument("--no-graphs", action="store_true", help="static caches without CUDA graphs")
+    ap.add_argument("--cache-slots", type=int, default=None,
+                    help="KV slots of the static caches (default: what the prompt, new tokens and one round "
+                         "need; evaluation sizes them for max_prompt_tokens=2048: 2183)")
+    ap.add_argument("--min-span", type=int, default=256,
+                    help="smallest attention span of the static caches (SlotCache.span_for); the *_fullspan "
+                         "methods attend over all --cache-slots in every call")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -129,18 +136,20 @@ def main(argv=None) -> dict:
     aux = _aux_ids(L)
     drafter = _drafter(target, args.draft_vocab, device, dtype)
     s, _ = SpecSettings.make(args.steps, args.topk, args.draft_tokens, max_new_tokens=args.new_tokens)
-    max_len = args.prompt_len + args.new_tokens + s.num_draft_tokens + s.num_steps * s.topk
+    max_len = args.cache_slots or args.prompt_len + args.new_tokens + s.num_draft_tokens + s.num_steps * s.topk
     graphs = None if not args.no_graphs else False
     g = torch.Generator().manual_seed(0)
     V = target.config.vocab_size
     prompts = [torch.randint(0, V, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)]
 
     dyn_runner = TargetRunner(target, aux)
-    sta_runner = StaticTargetRunner(target, aux, max_len=max_len, cuda_graphs=graphs)
+    sta_runner = StaticTargetRunner(target, aux, max_len=max_len, cuda_graphs=graphs, min_span=args.min_span)
+    full_runner = StaticTargetRunner(target, aux, max_len=max_len, cuda_graphs=graphs, min_span=None)
     refs = [list(p) + target_generate(dyn_runner, p, s).tokens for p in prompts]  # greedy continuations
     _draft_vocab_with(drafter, {t for r in refs for t in r[args.prompt_len:]})  # so the forced drafts can be drafted
     dyn_prop = Eagle3Proposer(drafter, aux)
-    sta_prop = StaticEagle3Proposer(drafter, aux, max_len=max_len, cuda_graphs=graphs)
+    sta_prop = StaticEagle3Proposer(drafter, aux, max_len=max_len, cuda_graphs=graphs, min_span=args.min_span)
+    full_prop = StaticEagle3Proposer(drafter, aux, max_len=max_len, cuda_graphs=graphs, min_span=None)
 
     def hf(p, static):
         from transformers import GenerationConfig
@@ -174,6 +183,9 @@ def main(argv=None) -> dict:
         "spec_static": lambda i: spec(sta_runner, sta_prop, i, False),
         "forced_dynamic": lambda i: spec(dyn_runner, dyn_prop, i, True),
         "forced_static": lambda i: spec(sta_runner, sta_prop, i, True),
+        "base_static_fullspan": lambda i: plain(full_runner, prompts[i]),
+        "spec_static_fullspan": lambda i: spec(full_runner, full_prop, i, False),
+        "forced_static_fullspan": lambda i: spec(full_runner, full_prop, i, True),
     }
     methods = [m for m in args.methods.split(",") if m]
     unknown = [m for m in methods if m not in table]
@@ -197,10 +209,13 @@ def main(argv=None) -> dict:
                  "prompt_len": args.prompt_len, "new_tokens": new, "prompts": len(prompts),
                  "timed_repeats": args.repeats - 1, "draft_vocab": drafter.arch.draft_vocab_size,
                  "settings": [s.num_steps, s.topk, s.num_draft_tokens], "cuda_graphs": sta_runner.cuda_graphs,
+                 "cache_slots": max_len, "min_span": args.min_span,
                  "methods": {}}
-    step_ms = None
-    if "base_static" in runs and runs["base_static"]:
-        step_ms = statistics.median((x["seconds"] - x["prefill"]) / (new - 1) * 1e3 for x in runs["base_static"])
+    def base_step_ms(name):
+        xs = runs.get(name) or []
+        return statistics.median((x["seconds"] - x["prefill"]) / (new - 1) * 1e3 for x in xs) if xs else None
+
+    steps_ms = {"": base_step_ms("base_static"), "_fullspan": base_step_ms("base_static_fullspan")}
     ref_runs = {(x["repeat"], x["prompt"]): x for x in runs.get("hf_static", [])}
     for m, xs in runs.items():
         if not xs:
@@ -212,6 +227,7 @@ def main(argv=None) -> dict:
         if "passes" in xs[0]:
             row["tau"] = sum(x["emitted"] for x in xs) / sum(x["passes"] for x in xs)
             row["round_ms"] = statistics.median((x["seconds"] - x["prefill"]) / x["passes"] * 1e3 for x in xs)
+            step_ms = steps_ms["_fullspan" if m.endswith("_fullspan") else ""]  # the same caches' decode step
             if step_ms:
                 row["round_in_base_steps"] = row["round_ms"] / step_ms
         elif "prefill" in xs[0]:
@@ -224,15 +240,16 @@ def main(argv=None) -> dict:
 
     print(f"\n{res['device']}, {args.dtype}, {L} layers, prompt {args.prompt_len}, {new} new tokens, "
           f"{len(prompts)} prompts x {args.repeats - 1} timed repeats, {s.num_steps}/{s.topk}/{s.num_draft_tokens}, "
-          f"draft vocab {drafter.arch.draft_vocab_size}, CUDA graphs {sta_runner.cuda_graphs}")
-    print(f"{'method':16s} {'tok/s':>9s} {'95% CI':>17s} {'step/round ms':>14s} {'in steps':>9s} {'tau':>5s} "
+          f"draft vocab {drafter.arch.draft_vocab_size}, CUDA graphs {sta_runner.cuda_graphs}, "
+          f"{max_len} cache slots (min span {args.min_span})")
+    print(f"{'method':22s} {'tok/s':>9s} {'95% CI':>17s} {'step/round ms':>14s} {'in steps':>9s} {'tau':>5s} "
           f"{'vs hf_static':>13s} {'95% CI':>13s}")
     def fmt(v, spec):
         return "-" if v is None else format(v, spec)
 
     for m, row in res["methods"].items():
         ci, sci = row["tokens_per_s_ci95"], row.get("speedup_vs_hf_static_ci95")
-        print(f"{m:16s} {row['tokens_per_s']:9.1f} {(f'{ci[0]:.1f}-{ci[1]:.1f}' if ci else '-'):>17s} "
+        print(f"{m:22s} {row['tokens_per_s']:9.1f} {(f'{ci[0]:.1f}-{ci[1]:.1f}' if ci else '-'):>17s} "
               f"{fmt(row.get('decode_step_ms', row.get('round_ms')), '.2f'):>14s} "
               f"{fmt(row.get('round_in_base_steps'), '.2f'):>9s} {fmt(row.get('tau'), '.2f'):>5s} "
               f"{fmt(row.get('speedup_vs_hf_static'), '.2f'):>13s} "

@@ -83,6 +83,23 @@ def test_slot_cache_writes_at_slots_moves_paths_and_refuses_overflow():
         c.check_room(7)
 
 
+def test_slot_cache_spans_double_from_min_span_up_to_max_len():
+    c = SlotCache(num_layers=1, num_kv_heads=1, head_dim=2, max_len=20, dtype=torch.float32, device="cpu",
+                  min_span=4)
+    assert [c.span_for(e) for e in (1, 4, 5, 8, 9, 16, 17, 20)] == [4, 4, 8, 8, 16, 16, 20, 20]
+    with pytest.raises(Eagle3Error, match="needs 21 KV slots"):
+        c.span_for(21)
+    c.set_span(c.span_for(6))
+    c.set_slots(torch.tensor([5]))
+    keys, _ = c.update(torch.ones(1, 1, 1, 2), torch.ones(1, 1, 1, 2), layer_idx=0)
+    assert keys.shape == (1, 1, 8, 2) and keys[0, 0, 5].tolist() == [1, 1]  # the first 8 slots
+    assert c.get_mask_sizes() == (8, 0)
+    assert keys.data_ptr() == c.keys[0].data_ptr()  # a view: graph replay sees the same memory
+    off = SlotCache(num_layers=1, num_kv_heads=1, head_dim=2, max_len=20, dtype=torch.float32, device="cpu",
+                    min_span=None)
+    assert off.span_for(1) == off.span_for(20) == 20
+
+
 def test_graphed_call_is_a_plain_call_when_disabled():
     calls = []
     g = GraphedCall(lambda x: (calls.append(1) or x * 2,), enabled=False)
@@ -107,25 +124,29 @@ def test_static_runner_refuses_a_sequence_longer_than_its_cache(target):
         target_generate(StaticTargetRunner(target, max_len=30), PROMPT, s)
 
 
+@pytest.mark.parametrize("min_span", [None, 8])
 @pytest.mark.parametrize("steps,topk,ndt", [(3, 1, 4), (3, 2, 6), (4, 3, 8)])
-def test_static_verify_and_rollback_equal_dynamic_with_partial_acceptance(target, steps, topk, ndt):
+def test_static_verify_and_rollback_equal_dynamic_with_partial_acceptance(target, steps, topk, ndt, min_span):
     """A noisy oracle accepts some drafts, rejects others, and (trees) accepts paths that are
     not a prefix of the verify slots: the static cache's mask-only rollback and path move
-    must give the dynamic cache's every token and count."""
+    must give the dynamic cache's every token and count, with attention over all slots
+    and over span buckets of 8, 16, 32, 64 slots (rounds that straddle a bucket edge)."""
     n = 60
     ref = greedy_reference(target, PROMPT, n)
     s, _ = SpecSettings.make(steps, topk, ndt, max_new_tokens=n)
     dyn = SpeculativeDecoder(TargetRunner(target), ReferenceProposer(ref, mode="noisy"), s).generate(PROMPT)
-    sta = SpeculativeDecoder(StaticTargetRunner(target, max_len=MAX_LEN), ReferenceProposer(ref, mode="noisy"),
-                             s).generate(PROMPT)
+    runner = StaticTargetRunner(target, max_len=MAX_LEN, min_span=min_span)
+    sta = SpeculativeDecoder(runner, ReferenceProposer(ref, mode="noisy"), s).generate(PROMPT)
+    assert runner.cache.span == (MAX_LEN if min_span is None else 128)  # the last round's span
     assert sta.tokens == dyn.tokens == ref[len(PROMPT):]
     assert sta.accept_counts == dyn.accept_counts
     assert 0 < sum(dyn.accept_counts) < steps * len(dyn.accept_counts)  # partial acceptance happened
 
 
 # ----------------------------------------------------------------------------- drafter
+@pytest.mark.parametrize("min_span", [None, 8])
 @pytest.mark.parametrize("steps,topk,ndt", [(3, 1, 4), (3, 2, 6)])
-def test_static_drafter_gives_the_dynamic_drafters_logits_call_by_call(target, steps, topk, ndt):
+def test_static_drafter_gives_the_dynamic_drafters_logits_call_by_call(target, steps, topk, ndt, min_span):
     """The EAGLE-3 drafter with a forced reference (so rounds verify 1..steps+1 positions and
     the static proposer's begin sees every count) on both paths: identical tokens and counts,
     and every begin/step returns the same logits."""
@@ -135,8 +156,8 @@ def test_static_drafter_gives_the_dynamic_drafters_logits_call_by_call(target, s
     s, _ = SpecSettings.make(steps, topk, ndt, max_new_tokens=n)
 
     dyn, dcalls = forced_run(TargetRunner(target, AUX), Eagle3Proposer(drafter, AUX), ref, s)
-    sta, scalls = forced_run(StaticTargetRunner(target, AUX, max_len=MAX_LEN),
-                             StaticEagle3Proposer(drafter, AUX, max_len=MAX_LEN), ref, s)
+    sta, scalls = forced_run(StaticTargetRunner(target, AUX, max_len=MAX_LEN, min_span=min_span),
+                             StaticEagle3Proposer(drafter, AUX, max_len=MAX_LEN, min_span=min_span), ref, s)
     assert sta.tokens == dyn.tokens == ref[len(PROMPT):]
     assert sta.accept_counts == dyn.accept_counts
     assert max(dyn.accept_counts) == steps  # forced: full rounds happen
@@ -220,8 +241,8 @@ def test_cuda_graph_replay_gives_the_eager_dynamic_paths_tokens_and_logits(steps
     s, _ = SpecSettings.make(steps, topk, ndt, max_new_tokens=n)
 
     dyn, dcalls = forced_run(TargetRunner(tgt, AUX), Eagle3Proposer(drafter, AUX), ref, s)
-    runner = StaticTargetRunner(tgt, AUX, max_len=MAX_LEN)
-    prop = StaticEagle3Proposer(drafter, AUX, max_len=MAX_LEN)
+    runner = StaticTargetRunner(tgt, AUX, max_len=MAX_LEN, min_span=16)
+    prop = StaticEagle3Proposer(drafter, AUX, max_len=MAX_LEN, min_span=16)
     for _ in range(2):  # the second run replays graphs captured by the first
         sta, scalls = forced_run(runner, prop, ref, s)
         assert sta.tokens == dyn.tokens == ref[len(PROMPT):]
@@ -229,8 +250,11 @@ def test_cuda_graph_replay_gives_the_eager_dynamic_paths_tokens_and_logits(steps
         for (_, _, _, a), (_, _, _, b) in zip(scalls, dcalls):
             torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
     assert runner.cuda_graphs and prop.cuda_graphs
-    assert ("chain", ndt) in runner._calls.captures or ("tree", ndt) in runner._calls.captures
+    spans = {k[2] for k in runner._calls.captures}
+    assert {k[:2] for k in runner._calls.captures} <= {("chain", ndt), ("tree", ndt)}
+    assert len(spans) >= 2  # the sequence grew across span buckets, each its own graph
     begins = {k[1] for k in prop._begin_calls.captures}
     assert len(begins) >= 2  # rounds verified different numbers of positions, each its own graph
-    base = target_generate(runner, PROMPT, s)  # the decode step's graph
-    assert base.tokens == ref[len(PROMPT):] and runner._decode_calls.captures == ["decode"]
+    base = target_generate(runner, PROMPT, s)  # the decode step's graphs, one per span
+    assert base.tokens == ref[len(PROMPT):]
+    assert {k[0] for k in runner._decode_calls.captures} == {"decode"} and len(runner._decode_calls.captures) >= 2

@@ -36,7 +36,7 @@ def use_static(static: Optional[bool], device: torch.device) -> bool:
 
 def build_decoder(model, drafter, aux_layer_ids: Sequence[int], settings: SpecSettings, stop_ids: Sequence[int],
                   max_prompt_tokens: int, static: Optional[bool] = None,
-                  cuda_graphs: Optional[bool] = None) -> SpeculativeDecoder:
+                  cuda_graphs: Optional[bool] = None, min_span: Optional[int] = 256) -> SpeculativeDecoder:
     """A :class:`SpeculativeDecoder` for ``model`` (target) and ``drafter`` (an ``Eagle3Drafter``).
 
     Args:
@@ -48,6 +48,9 @@ def build_decoder(model, drafter, aux_layer_ids: Sequence[int], settings: SpecSe
         max_prompt_tokens: longest prompt to be decoded (sizes the static caches).
         static: static caches; None = on CUDA only (module docstring).
         cuda_graphs: with static caches on CUDA, replay forwards from CUDA graphs; None = yes.
+        min_span: with static caches, the smallest attention span in slots
+            (:meth:`eagle3.spec.slots.SlotCache.span_for`); None = every call attends over
+            all slots sized for ``max_prompt_tokens``.
 
     Raises:
         Eagle3Error: from the runner (aux ids outside the target, attention without 4D masks).
@@ -56,8 +59,8 @@ def build_decoder(model, drafter, aux_layer_ids: Sequence[int], settings: SpecSe
     aux = list(aux_layer_ids)
     if use_static(static, device):
         n = static_max_len(max_prompt_tokens, settings)
-        runner = StaticTargetRunner(model, aux, max_len=n, cuda_graphs=cuda_graphs)
-        proposer = StaticEagle3Proposer(drafter, aux, max_len=n, cuda_graphs=cuda_graphs)
+        runner = StaticTargetRunner(model, aux, max_len=n, cuda_graphs=cuda_graphs, min_span=min_span)
+        proposer = StaticEagle3Proposer(drafter, aux, max_len=n, cuda_graphs=cuda_graphs, min_span=min_span)
     else:
         runner, proposer = TargetRunner(model, aux), Eagle3Proposer(drafter, aux)
     return SpeculativeDecoder(runner, proposer, settings, stop_ids)

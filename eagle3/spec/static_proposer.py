@@ -12,6 +12,9 @@ one :class:`eagle3.spec.slots.SlotCache`:
   its ancestors (the same relation as the dynamic proposer's);
 * ``end_round`` drops nothing: the next ``begin`` overwrites the draft slots and the
   mask hides them until then.
+
+Attention reads the cache's span bucket (:meth:`eagle3.spec.slots.SlotCache.span_for`);
+graphs are keyed by shape and span.
 """
 
 from __future__ import annotations
@@ -36,17 +39,20 @@ class StaticEagle3Proposer(Eagle3Proposer):
             is on CUDA. Ignored (eager) on CPU.
         max_graphed_begin: ``begin`` calls over at most this many positions are graphed
             (one graph per count); longer ones (the prompt) run eagerly.
+        min_span: smallest attention span in slots (:class:`SlotCache`); None = attend
+            over all ``max_len`` slots in every call.
 
     Raises:
         Eagle3Error: a non-positive ``max_len``.
     """
 
     def __init__(self, drafter, aux_layer_ids: Sequence[int], max_len: int = 4096,
-                 cuda_graphs: Optional[bool] = None, max_graphed_begin: int = 16):
+                 cuda_graphs: Optional[bool] = None, max_graphed_begin: int = 16,
+                 min_span: Optional[int] = 256):
         arch = drafter.arch
         device = drafter.fc.weight.device
         self.slot_cache = SlotCache(arch.num_layers, arch.num_key_value_heads, arch.head_dim, max_len,
-                                    drafter.fc.weight.dtype, device)
+                                    drafter.fc.weight.dtype, device, min_span)
         self.cuda_graphs = device.type == "cuda" and (cuda_graphs is None or bool(cuda_graphs))
         self.max_graphed_begin = int(max_graphed_begin)
         self._begin_calls = GraphedCall(self._begin, enabled=self.cuda_graphs)
@@ -71,7 +77,7 @@ class StaticEagle3Proposer(Eagle3Proposer):
         slots = first + torch.arange(ids.numel(), device=ids.device)
         self.cache.set_slots(slots)
         hidden = self.drafter.fuse(aux.to(self.dtype)[None])  # [1, m, H]
-        mask = prefix_mask(self.cache.max_len, slots)[None, None]
+        mask = prefix_mask(self.cache.span, slots)[None, None]
         out = self.drafter(ids[None], hidden, slots[None], attention_mask=mask, past_key_values=self.cache,
                            use_cache=True, return_logits=False)
         last = out.hidden_states[0, -1:]  # [1, H]
@@ -80,13 +86,13 @@ class StaticEagle3Proposer(Eagle3Proposer):
     def _step(self, ids: torch.Tensor, hidden: torch.Tensor, first: torch.Tensor, pos: torch.Tensor,
               mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``w`` nodes (``ids [w]``, parent outputs ``hidden [w, H]``) at slots ``first ..``
-        and drafter position ``pos [1]``; causal over the slots unless ``mask [w, max_len]``
+        and drafter position ``pos [1]``; causal over the span's slots unless ``mask [w, span]``
         -> ``(hidden [w, H], logits [w, Vd])``."""
         w = ids.numel()
         slots = first + torch.arange(w, device=ids.device)
         self.cache.set_slots(slots)
         if mask is None:
-            mask = prefix_mask(self.cache.max_len, slots)
+            mask = prefix_mask(self.cache.span, slots)
         out = self.drafter(ids[None], hidden[None].to(self.dtype), pos[None].expand(1, w),
                            attention_mask=mask[None, None], past_key_values=self.cache, use_cache=True)
         return out.hidden_states[0], out.logits[0]
@@ -102,10 +108,10 @@ class StaticEagle3Proposer(Eagle3Proposer):
         if start != self.committed:
             raise RuntimeError(f"drafter state holds {self.committed} positions, round starts at {start}")
         m = input_ids.numel()
-        self.cache.check_room(start + m)
+        span = self.cache.set_span(self.cache.span_for(start + m))
         self._first.fill_(start)
         if m <= self.max_graphed_begin:
-            self._hidden, logits = self._begin_calls(("begin", m), input_ids, aux, self._first)
+            self._hidden, logits = self._begin_calls(("begin", m, span), input_ids, aux, self._first)
         else:
             self._hidden, logits = self._begin(input_ids, aux, self._first)
         self.committed = self.cache.length = start + m
@@ -116,7 +122,7 @@ class StaticEagle3Proposer(Eagle3Proposer):
         """See :meth:`Eagle3Proposer.step`."""
         w = input_ids.numel()
         first = self.committed + self._used
-        self.cache.check_room(first + w)
+        span = self.cache.set_span(self.cache.span_for(first + w))
         hidden = self._hidden[parents]  # [w, H]
         self._first.fill_(first)
         self._pos.fill_(position)
@@ -126,13 +132,13 @@ class StaticEagle3Proposer(Eagle3Proposer):
                     else torch.zeros(w, 0, dtype=torch.bool, device=dev))
             anc = torch.cat([prev, torch.eye(w, dtype=torch.bool, device=dev)], dim=1)  # [w, used + w]
             self._ancestors = anc
-            mask = torch.zeros(w, self.cache.max_len, dtype=torch.bool, device=dev)
+            mask = torch.zeros(w, span, dtype=torch.bool, device=dev)
             mask[:, : self.committed] = True
             mask[:, self.committed : first + w] = anc
-            self._hidden, logits = self._step_calls(("tree", w), input_ids, hidden,
+            self._hidden, logits = self._step_calls(("tree", w, span), input_ids, hidden,
                                                     self._first, self._pos, mask)
         else:  # a chain node sees every slot before its own
-            self._hidden, logits = self._step_calls(("chain", w), input_ids, hidden, self._first, self._pos)
+            self._hidden, logits = self._step_calls(("chain", w, span), input_ids, hidden, self._first, self._pos)
         self._used += w
         return logits
 

@@ -13,8 +13,10 @@ every prompt. Every call writes at explicit slots under an explicit mask:
 * roll back: nothing for a chain or a prefix path (the mask hides what follows the
   verified prefix); a tree path is moved behind the prefix with one index copy per layer.
 
-Decode steps and verify passes have fixed shapes, so on CUDA they are replayed from
-graphs (:class:`eagle3.spec.graphs.GraphedCall`, one per shape); the aux hidden states
+Attention reads the cache's span bucket (:meth:`eagle3.spec.slots.SlotCache.span_for`), not
+all ``max_len`` slots. Decode steps and verify passes have fixed shapes per span, so on
+CUDA they are replayed from graphs (:class:`eagle3.spec.graphs.GraphedCall`, one per
+shape and span); the aux hidden states
 are read inside the call by the same forward hooks as the dynamic runner, so they are
 part of the graph's outputs. On CPU the same calls run eagerly.
 """
@@ -40,6 +42,8 @@ class StaticTargetRunner(TargetRunner):
         max_len: KV slots: the longest prompt + generated tokens + one round's draft.
         cuda_graphs: replay decode steps and verify passes from CUDA graphs; None = when
             the model is on CUDA. Ignored (eager) on CPU.
+        min_span: smallest attention span in slots (:class:`SlotCache`); None = attend
+            over all ``max_len`` slots in every call.
 
     Raises:
         Eagle3Error: as :class:`TargetRunner`, or an attention implementation without
@@ -47,11 +51,11 @@ class StaticTargetRunner(TargetRunner):
     """
 
     def __init__(self, model, aux_layer_ids: Optional[Sequence[int]] = None, max_len: int = 4096,
-                 cuda_graphs: Optional[bool] = None):
+                 cuda_graphs: Optional[bool] = None, min_span: Optional[int] = 256):
         super().__init__(model, aux_layer_ids)
         self.tree_mask(torch.ones(1, 1, dtype=torch.bool, device=self.device))  # raises for other attention kinds
         dtype = next(model.parameters()).dtype
-        self.cache = SlotCache.for_model(model.config, max_len, dtype, self.device)
+        self.cache = SlotCache.for_model(model.config, max_len, dtype, self.device, min_span)
         on_cuda = self.device.type == "cuda"
         self.cuda_graphs = on_cuda and (cuda_graphs is None or bool(cuda_graphs))
         self._calls = GraphedCall(self._step, enabled=self.cuda_graphs)
@@ -74,7 +78,7 @@ class StaticTargetRunner(TargetRunner):
     # -------------------------------------------------------------------- forwards
     def _run(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor,
              last_only: bool, capture: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """``ids, pos [1, n]``, ``slots [n]``, ``mask [n, max_len]`` bool -> logits, aux."""
+        """``ids, pos [1, n]``, ``slots [n]``, ``mask [n, span]`` bool -> logits, aux."""
         self.cache.set_slots(slots)
         return self.forward(ids, pos, self.cache, attention_mask=self.tree_mask(mask), last_only=last_only,
                             capture=capture)
@@ -82,49 +86,49 @@ class StaticTargetRunner(TargetRunner):
     def _step(self, ids: torch.Tensor, pos: torch.Tensor, first: torch.Tensor,
               mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
         """The graphed call: ``n`` tokens at slots ``first .. first+n-1`` (``first [1]``),
-        causal over the slots unless ``mask [n, max_len]`` is given. Returns
+        causal over the span's slots unless ``mask [n, span]`` is given. Returns
         ``(logits [n, V],)`` or ``(logits, aux [n, 3H])``."""
         slots = first + torch.arange(ids.shape[1], device=ids.device)
         if mask is None:
-            mask = prefix_mask(self.cache.max_len, slots)
+            mask = prefix_mask(self.cache.span, slots)
         logits, aux = self._run(ids, pos, slots, mask, last_only=False, capture=self.aux_layer_ids is not None)
         return (logits,) if aux is None else (logits, aux)
 
     def _decode_step(self, ids: torch.Tensor, first: torch.Tensor) -> tuple[torch.Tensor]:
         """The graphed decode step: one token at slot and position ``first [1]`` -> ``(logits [1, V],)``."""
-        logits, _ = self._run(ids, first[None], first, prefix_mask(self.cache.max_len, first), last_only=False,
+        logits, _ = self._run(ids, first[None], first, prefix_mask(self.cache.span, first), last_only=False,
                               capture=False)
         return (logits,)
 
     def prefill(self, input_ids, cache, capture=True):
         """See :meth:`TargetRunner.prefill` (eager: the prompt length varies)."""
         P = input_ids.shape[1]
-        cache.check_room(P)
+        span = cache.set_span(cache.span_for(P))
         slots = torch.arange(P, device=self.device)
-        out = self._run(input_ids, slots[None], slots, prefix_mask(cache.max_len, slots), last_only=True,
+        out = self._run(input_ids, slots[None], slots, prefix_mask(span, slots), last_only=True,
                         capture=capture)
         cache.length = P
         return out
 
     def decode(self, token, position, cache):
         """See :meth:`TargetRunner.decode` (a graph replay on CUDA)."""
-        cache.check_room(position + 1)
+        span = cache.set_span(cache.span_for(position + 1))
         self._first.fill_(position)
-        logits = self._decode_calls("decode", token[None], self._first)[0]
+        logits = self._decode_calls(("decode", span), token[None], self._first)[0]
         cache.length = position + 1
         return logits
 
     def verify(self, tokens, depth, ancestors, cache, length):
         """See :meth:`TargetRunner.verify` (a graph replay on CUDA, one graph per shape)."""
         n = tokens.numel()
-        cache.check_room(length + n)
+        span = cache.set_span(cache.span_for(length + n))
         self._first.fill_(length)
         pos = (length + depth)[None]
         if ancestors is None:
-            out = self._calls(("chain", n), tokens[None], pos, self._first)
+            out = self._calls(("chain", n, span), tokens[None], pos, self._first)
         else:
-            mask = tree_mask_over_slots(cache.max_len, length, ancestors)
-            out = self._calls(("tree", n), tokens[None], pos, self._first, mask)
+            mask = tree_mask_over_slots(span, length, ancestors)
+            out = self._calls(("tree", n, span), tokens[None], pos, self._first, mask)
         return out[0], (out[1] if len(out) > 1 else None)
 
     def rollback(self, cache, length, path):
