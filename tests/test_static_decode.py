@@ -68,27 +68,32 @@ def forced_run(runner, proposer, ref, settings):
 # ----------------------------------------------------------------------------- SlotCache
 def test_slot_cache_writes_at_slots_moves_paths_and_refuses_overflow():
     c = SlotCache(num_layers=2, num_kv_heads=1, head_dim=2, max_len=6, dtype=torch.float32, device="cpu")
+    assert c.max_len == 64  # rounded up to SLOT_ALIGN
     k = torch.arange(6.0).reshape(1, 1, 3, 2)
     c.set_slots(torch.tensor([1, 2, 4]))
     keys, values = c.update(k, -k, layer_idx=1)
-    assert keys.shape == (1, 1, 6, 2)  # the whole buffer is returned
-    assert keys[0, 0].tolist() == [[0, 0], [0, 1], [2, 3], [0, 0], [4, 5], [0, 0]]
+    assert keys.shape == (1, 1, 64, 2)  # the whole buffer is returned
+    assert keys[0, 0, :6].tolist() == [[0, 0], [0, 1], [2, 3], [0, 0], [4, 5], [0, 0]]
     assert values[0, 0, 4].tolist() == [-4, -5]
     assert c.keys[0].abs().sum() == 0  # the other layer is untouched
     c.move(torch.tensor([4, 2]), dst_start=0)  # a tree path: slot 4 then slot 2, behind the prefix
     assert c.keys[1][0, 0, :2].tolist() == [[4, 5], [2, 3]]
     assert c.values[1][0, 0, :2].tolist() == [[-4, -5], [-2, -3]]
-    c.check_room(6)
+    c.check_room(64)
     with pytest.raises(Eagle3Error, match="raise spec.max_len"):
-        c.check_room(7)
+        c.check_room(65)
 
 
 def test_slot_cache_spans_double_from_min_span_up_to_max_len():
-    c = SlotCache(num_layers=1, num_kv_heads=1, head_dim=2, max_len=20, dtype=torch.float32, device="cpu",
+    c = SlotCache(num_layers=1, num_kv_heads=1, head_dim=2, max_len=80, dtype=torch.float32, device="cpu",
                   min_span=4)
-    assert [c.span_for(e) for e in (1, 4, 5, 8, 9, 16, 17, 20)] == [4, 4, 8, 8, 16, 16, 20, 20]
-    with pytest.raises(Eagle3Error, match="needs 21 KV slots"):
-        c.span_for(21)
+    assert c.max_len == 128
+    assert [c.span_for(e) for e in (1, 4, 5, 8, 9, 16, 17, 64, 65, 128)] == [4, 4, 8, 8, 16, 16, 32, 64, 128, 128]
+    with pytest.raises(Eagle3Error, match="needs 129 KV slots"):
+        c.span_for(129)
+    c3 = SlotCache(num_layers=1, num_kv_heads=1, head_dim=2, max_len=130, dtype=torch.float32, device="cpu",
+                   min_span=48)
+    assert c3.max_len == 192 and [c3.span_for(e) for e in (48, 49, 97, 192)] == [48, 96, 192, 192]
     c.set_span(c.span_for(6))
     c.set_slots(torch.tensor([5]))
     keys, _ = c.update(torch.ones(1, 1, 1, 2), torch.ones(1, 1, 1, 2), layer_idx=0)
@@ -97,7 +102,7 @@ def test_slot_cache_spans_double_from_min_span_up_to_max_len():
     assert keys.data_ptr() == c.keys[0].data_ptr()  # a view: graph replay sees the same memory
     off = SlotCache(num_layers=1, num_kv_heads=1, head_dim=2, max_len=20, dtype=torch.float32, device="cpu",
                     min_span=None)
-    assert off.span_for(1) == off.span_for(20) == 20
+    assert off.span_for(1) == off.span_for(64) == 64
 
 
 def test_graphed_call_is_a_plain_call_when_disabled():
@@ -119,9 +124,10 @@ def test_static_runner_decodes_the_dynamic_runners_tokens(target):
 
 
 def test_static_runner_refuses_a_sequence_longer_than_its_cache(target):
-    s, _ = SpecSettings.make(3, 1, 4, max_new_tokens=40)
-    with pytest.raises(Eagle3Error, match="KV slots"):
-        target_generate(StaticTargetRunner(target, max_len=30), PROMPT, s)
+    s, _ = SpecSettings.make(3, 1, 4, max_new_tokens=70)
+    runner = StaticTargetRunner(target, max_len=30)  # 64 slots after rounding; 7 + 70 positions do not fit
+    with pytest.raises(Eagle3Error, match="needs 77 KV slots but the static cache holds 64"):
+        target_generate(runner, PROMPT, s)
 
 
 @pytest.mark.parametrize("min_span", [None, 8])
@@ -137,7 +143,7 @@ def test_static_verify_and_rollback_equal_dynamic_with_partial_acceptance(target
     dyn = SpeculativeDecoder(TargetRunner(target), ReferenceProposer(ref, mode="noisy"), s).generate(PROMPT)
     runner = StaticTargetRunner(target, max_len=MAX_LEN, min_span=min_span)
     sta = SpeculativeDecoder(runner, ReferenceProposer(ref, mode="noisy"), s).generate(PROMPT)
-    assert runner.cache.span == (MAX_LEN if min_span is None else 128)  # the last round's span
+    assert runner.cache.span == (runner.max_len if min_span is None else 128)  # the last round's span
     assert sta.tokens == dyn.tokens == ref[len(PROMPT):]
     assert sta.accept_counts == dyn.accept_counts
     assert 0 < sum(dyn.accept_counts) < steps * len(dyn.accept_counts)  # partial acceptance happened
@@ -189,7 +195,7 @@ def test_build_decoder_picks_the_dynamic_path_on_cpu_unless_asked(target):
     assert type(auto.runner) is TargetRunner and type(auto.proposer) is Eagle3Proposer
     forced = build_decoder(target, drafter, AUX, s, [], max_prompt_tokens=64, static=True)
     assert isinstance(forced.runner, StaticTargetRunner) and isinstance(forced.proposer, StaticEagle3Proposer)
-    assert forced.runner.max_len == 64 + 8 + 4 + 3
+    assert forced.runner.max_len == 128  # 64 + 8 + 4 + 3 slots needed, rounded up to a multiple of 64
     assert forced.generate(PROMPT).tokens == auto.generate(PROMPT).tokens
 
 
