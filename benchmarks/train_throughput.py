@@ -18,6 +18,10 @@ masked attention computes every step's full key range) are printed next to it.
 
     python benchmarks/train_throughput.py                 # both drafters, device auto
     python benchmarks/train_throughput.py --model smollm2 --device cpu --iters 2
+    python benchmarks/train_throughput.py --model kimi --profile   # where a step's GPU time goes
+
+``--profile`` runs one more step under ``torch.profiler`` and prints the GPU kernel time
+by kind (attention kernels, matrix multiplies, the rest) and the slowest kernels.
 """
 
 from __future__ import annotations
@@ -87,6 +91,43 @@ def model_flops(arch: DrafterArch, batch: dict, ttt_steps: int) -> float:
     return 3.0 * fwd
 
 
+KERNEL_KINDS = (("attention", ("fmha", "flash", "attention", "efficient")),
+                ("matmul", ("gemm", "xmma", "nvjet", "cutlass", "matmul", "splitk")))
+
+
+def kernel_kind(name: str) -> str:
+    """``attention``, ``matmul`` or ``other`` for a CUDA kernel name (attention first: its
+    kernels are also built from CUTLASS)."""
+    low = name.lower()
+    for kind, keys in KERNEL_KINDS:
+        if any(k in low for k in keys):
+            return kind
+    return "other"
+
+
+def profile_step(step, sync, top: int = 12) -> dict:
+    """GPU kernel time of one ``step()`` under ``torch.profiler``: ``{"total_ms", "by_kind":
+    {kind: ms}, "top": [(name, ms, calls)]}``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        sync()
+    by_name: dict[str, list] = {}
+    for e in prof.events():
+        if str(e.device_type).endswith("CUDA"):  # a kernel (or memcpy/memset) on the GPU
+            us = float(e.time_range.elapsed_us())
+            acc = by_name.setdefault(e.name, [0.0, 0])
+            acc[0] += us / 1e3
+            acc[1] += 1
+    by_kind: dict[str, float] = {}
+    for name, (ms, _) in by_name.items():
+        by_kind[kernel_kind(name)] = by_kind.get(kernel_kind(name), 0.0) + ms
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"total_ms": sum(by_kind.values()), "by_kind": by_kind,
+            "top": [(n[:110], round(ms, 3), c) for n, (ms, c) in ranked]}
+
+
 def run(name: str, args) -> dict:
     arch = SHAPES[name]
     if args.draft_vocab:
@@ -125,6 +166,7 @@ def run(name: str, args) -> dict:
         step()
     sync()
     dt = (time.perf_counter() - t0) / args.iters
+    kernels = profile_step(step, sync) if args.profile and dev.type == "cuda" else None
     executed = None
     if args.count_executed:
         from torch.utils.flop_counter import FlopCounterMode
@@ -149,6 +191,7 @@ def run(name: str, args) -> dict:
         "executed_tflops_per_step": executed / 1e12 if executed else None,
         "trainable_params_m": sum(p.numel() for p in params) / 1e6,
         "peak_memory_gb": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None,
+        "kernels": kernels,
     }
     del drafter, opt, batch
     if dev.type == "cuda":
@@ -170,6 +213,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--peak-tflops", type=float, default=989.0, help="device peak (H200 dense bf16: ~989)")
     p.add_argument("--fp32", action="store_true", help="no bf16 autocast on CUDA")
     p.add_argument("--count-executed", action="store_true", help="also count executed FLOPs (one extra step)")
+    p.add_argument("--profile", action="store_true", help="GPU kernel time by kind (one extra step, CUDA only)")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     names = ["smollm2", "kimi"] if args.model == "all" else [args.model]
@@ -184,6 +228,13 @@ def main(argv=None) -> list[dict]:
               f"{r['model_tflops_per_step']:.2f} | {r['achieved_tflops']:.1f} | {100 * r['mfu']:.1f}% | {mem} |")
         if r["executed_tflops_per_step"]:
             print(f"  executed FLOPs per step (flop counter): {r['executed_tflops_per_step']:.2f} TFLOP")
+        if r["kernels"]:
+            k = r["kernels"]
+            kinds = ", ".join(f"{kind} {ms:.1f} ms ({100 * ms / k['total_ms']:.0f}%)" for kind, ms in
+                              sorted(k["by_kind"].items(), key=lambda kv: -kv[1]))
+            print(f"  GPU kernel time of one step: {k['total_ms']:.1f} ms: {kinds}")
+            for n, ms, c in k["top"]:
+                print(f"    {ms:9.2f} ms {c:5d} x  {n}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
