@@ -178,6 +178,7 @@ class FakeConfig:
     hidden_width: Optional[int] = None  # override D (e.g. H: final states only)
     missing_spec_verify_ct: bool = False
     avg_spec_accept_length: Optional[float] = None
+    context_length: Optional[int] = None  # --context-length: a prompt this long or longer gets HTTP 400
 
 
 class FakeSGLang:
@@ -303,6 +304,7 @@ class FakeSGLang:
             "speculative_eagle_topk": c.topk if c.speculative else None,
             "speculative_num_draft_tokens": c.num_draft_tokens if c.speculative else None,
             "max_total_num_tokens": 100000,
+            "context_length": c.context_length,
             "version": c.version,
             "device": "cuda",
         })
@@ -355,8 +357,13 @@ class FakeSGLang:
         ids = body.get("input_ids")
         if not isinstance(ids, list) or not ids:
             return self._json(h, 400, {"error": "input_ids required"})
+        if c.context_length is not None and len(ids) >= c.context_length:  # SGLang's validate_input_length
+            return self._json(h, 400, {"error": f"The input ({len(ids)} tokens) is longer than the model's context "
+                                                f"length ({c.context_length} tokens)."})
         sp = body.get("sampling_params") or {}
         max_new = int(sp.get("max_new_tokens", 128))
+        if c.context_length is not None:  # SGLang shortens the reply to fit, silently
+            max_new = min(max_new, c.context_length - len(ids) - 1)
         out_ids, stopped = greedy_reply(ids, c.vocab_size, c.eos_token_id, max_new)
         if not out_ids:
             out_ids, stopped = [], False

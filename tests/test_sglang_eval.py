@@ -421,3 +421,48 @@ def test_servers_measured_in_turn_still_give_lossless_and_a_paired_speedup(token
     r = res["benchmarks"]["gsm8k"]
     assert r["lossless_matches"] == 6 and r["measured"].startswith("batch 1, the baseline's run")
     assert r["speedup"] == pytest.approx(r["tokens_per_s_spec"] / r["tokens_per_s_base"]) and r["speedup_interval"]
+
+
+def test_turns_longer_than_the_servers_context_less_the_reply_are_skipped_and_counted(tokenizer_dir, servers,
+                                                                                        tmp_path):
+    """A prompt longer than context_length - max_new_tokens is never sent (SGLang would refuse it
+    or shorten its reply); a conversation whose later turn grows past the limit keeps its
+    earlier turns; both are counted in the warnings."""
+    from datasets import Dataset
+
+    from eagle3.target import render_prompt
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    gsm_rows = [{"id": f"g{i}", "messages": [{"role": "user", "content": " ".join(f"w{10 + k}" for k in range(i))}]}
+                for i in range(1, 7)]
+    lens = [len(render_prompt(tok, r["messages"])) for r in gsm_rows]
+    assert lens == sorted(lens) and len(set(lens)) == 6
+    mt_rows = [{"id": "m0", "messages": [{"role": "user", "content": "w30"}, {"role": "user", "content": "w40 w41"}]}]
+    max_new = 16
+    ctx = lens[2] + max_new  # prompts 0..2 fit with room for the whole reply; 3..5 do not
+    base = servers(speculative=False, context_length=ctx)
+    spec = servers(speculative=True, accept_pattern=PATTERN, context_length=ctx)
+    cfg = make_cfg(tokenizer_dir, base.url, spec.url, concurrency=(1, 2))
+    res = se.run_sglang_evaluation(cfg, {"gsm8k": Dataset.from_list(gsm_rows), "mtbench": Dataset.from_list(mt_rows)},
+                                   {"aux_layer_ids": [2, 4, 5]}, tmp_path)
+    why = f"the servers' context_length {ctx} less max_new_tokens {max_new}"
+    assert f"gsm8k: 3 prompts longer than {lens[2]} tokens ({why}) were skipped" in res["warnings"]
+    sent = [b["input_ids"] for s in (base, spec) for b in s.requests if b.get("stream")]
+    assert sent and max(len(ids) for ids in sent) <= lens[2]  # nothing too long reached a server
+    gsm = res["benchmarks"]["gsm8k"]
+    assert gsm["requests"] == 3 and gsm["lossless_checked"] == 3
+    # mt-bench: the first turn fits; the second carries the first answer (16 tokens) and does not
+    mt = res["benchmarks"]["mtbench"]
+    assert mt["requests"] == 1
+    assert any(w.startswith("mtbench: 1 conversations reached a turn longer than") for w in res["warnings"])
+
+
+def test_no_prompt_short_enough_for_the_servers_is_one_sentence(tokenizer_dir, servers, tmp_path):
+    base = servers(speculative=False, context_length=20)
+    spec = servers(speculative=True, context_length=20)
+    cfg = make_cfg(tokenizer_dir, base.url, spec.url, concurrency=(1,))
+    with pytest.raises(Eagle3Error, match="no benchmark prompt is 4 tokens or shorter .*context_length 20 less "
+                                          "max_new_tokens 16.*raise the servers' engine.context_length"):
+        se.run_sglang_evaluation(cfg, benchmarks(), {}, tmp_path)
+    assert not [b for s in (base, spec) for b in s.requests if b.get("stream")]

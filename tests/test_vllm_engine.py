@@ -462,7 +462,7 @@ class _FakeVLLM:
 
 
 def test_prompt_limit_is_the_servers_context_less_the_reply_or_max_prompt_tokens():
-    from eagle3.evaluate.served_vllm_measure import prompt_limit
+    from eagle3.evaluate.served_measures import prompt_limit
 
     assert prompt_limit([2048, 2048], 128, 2048) == (1920, "the servers' max_model_len 2048 less max_new_tokens 128")
     assert prompt_limit([4096, 2048], 128, 1000) == (1000, "max_prompt_tokens=1000")

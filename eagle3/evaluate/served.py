@@ -44,12 +44,12 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from eagle3.engines import sglang as sg
 from eagle3.errors import Eagle3Error
 from eagle3.evaluate.served_results import PLOT_NAME, REQUESTS_NAME, build_results, plot_throughput, write_request_log
-from eagle3.evaluate.served_measures import lossless_check
+from eagle3.evaluate.served_measures import lossless_check, prompt_limit
 from eagle3.evaluate.served_sweeps import diagnose_mismatches, interleave_batch1, sweep_server
 from eagle3.evaluate.servers import (
     ROLES,
@@ -139,6 +139,45 @@ def _open_checked(role: str, cfg: Any, out_dir: Path, export_meta: dict, concurr
     return server
 
 
+def _limit(cfg: Any, descs: list[dict]) -> tuple[Optional[int], str]:
+    """The longest prompt the servers in ``descs`` take with room for the reply
+    (:func:`eagle3.evaluate.served_measures.prompt_limit` over their ``context_length``)."""
+    return prompt_limit([d.get("effective", {}).get("context_length") for d in descs], int(cfg.max_new_tokens),
+                        getattr(cfg, "max_prompt_tokens", None), setting="context_length")
+
+
+def fitting_rows(rows: dict[str, list[dict]], tokenizer, limit: Optional[int], why: str,
+                 warnings: list[str]) -> dict[str, list[dict]]:
+    """``rows`` without the prompts whose first turn is longer than ``limit`` tokens (each
+    benchmark's count goes to ``warnings``; a benchmark left empty is dropped). Later turns
+    that grow past the limit are cut when they are sent (:func:`_cut_warnings`).
+
+    Raises:
+        Eagle3Error: no prompt's first turn fits.
+    """
+    from eagle3.evaluate.served_sweeps import first_turn_fits
+
+    out = {}
+    for name, rs in rows.items():
+        keep = [r for r in rs if first_turn_fits(tokenizer, r, limit)]
+        if len(keep) < len(rs):
+            msg = f"{name}: {len(rs) - len(keep)} prompts longer than {limit} tokens ({why}) were skipped"
+            log.warning(msg)
+            warnings.append(msg)
+        if keep:
+            out[name] = keep
+    if not out:
+        raise Eagle3Error(f"no benchmark prompt is {limit} tokens or shorter ({why}); raise the servers' "
+                          "engine.context_length or lower max_new_tokens / max_prompt_tokens")
+    return out
+
+
+def _cut_warnings(cuts: dict[str, set], limit: Optional[int], why: str) -> list[str]:
+    """One warning per benchmark whose conversations were cut at a later turn longer than ``limit``."""
+    return [f"{name}: {len(ids)} conversations reached a turn longer than {limit} tokens ({why}) and were cut "
+            "there (earlier turns kept)" for name, ids in sorted(cuts.items())]
+
+
 def _measure_together(cfg, export_meta, out_dir, tokenizer, rows, concurrency, sampling, runs, descs, warnings) -> dict:
     """Both servers up: the interleaved batch-1 pairs (their mismatches diagnosed at
     temperature 0), then each server's concurrency sweep; returns the pairs.
@@ -151,15 +190,20 @@ def _measure_together(cfg, export_meta, out_dir, tokenizer, rows, concurrency, s
     try:
         for role in ROLES:  # both up at once: the batch-1 requests alternate between them
             opened[role] = _open_checked(role, cfg, out_dir, export_meta, concurrency, descs, warnings)
+        limit, why = _limit(cfg, [descs[r] for r in ROLES])
+        rows = fitting_rows(rows, tokenizer, limit, why, warnings)
+        cuts: dict[str, set] = {}
         paired = interleave_batch1({r: opened[r].client for r in ROLES}, tokenizer, rows, sampling,
-                                   int(cfg.warmup_prompts))
+                                   int(cfg.warmup_prompts), limit, cuts)
+        warnings += _cut_warnings(cuts, limit, why)
         if float(cfg.temperature) == 0.0:
             _diagnose(opened["baseline"].client, tokenizer, rows, paired)
         write_request_log({}, out_dir / REQUESTS_NAME, paired=paired)  # kept if the sweep is cut short
         log.info("batch-1 pairs written to %s", out_dir / REQUESTS_NAME)
         rest = [c for c in concurrency if c != 1]  # concurrency 1 is what the pairs measured
         for role in ROLES:
-            runs[role] = sweep_server(opened[role].client, tokenizer, rows, rest, sampling, 0, role) if rest else {}
+            runs[role] = (sweep_server(opened[role].client, tokenizer, rows, rest, sampling, 0, role, limit)
+                          if rest else {})
             if 1 in concurrency:
                 runs[role] = {1: pairs_as_sweep(paired, ROLES.index(role)), **runs[role]}
             write_request_log(runs, out_dir / REQUESTS_NAME, paired=paired)
@@ -176,7 +220,15 @@ def _measure_in_turn(cfg, export_meta, out_dir, tokenizer, rows, concurrency, sa
     for role in ROLES:
         server = _open_checked(role, cfg, out_dir, export_meta, concurrency, descs, warnings)
         try:
-            runs[role] = sweep_server(server.client, tokenizer, rows, concurrency, sampling, int(cfg.warmup_prompts), role)
+            limit, why = _limit(cfg, [descs[role]])
+            role_rows = fitting_rows(rows, tokenizer, limit, why, [])
+            cuts: dict[str, set] = {}
+            runs[role] = sweep_server(server.client, tokenizer, role_rows, concurrency, sampling,
+                                      int(cfg.warmup_prompts), role, limit, cuts)
+            skipped = {n: len(rs) - len(role_rows.get(n, [])) for n, rs in rows.items()}
+            warnings += [f"{role} server: {n}: {k} prompts longer than {limit} tokens ({why}) were skipped"
+                         for n, k in skipped.items() if k]
+            warnings += [f"{role} server: {w}" for w in _cut_warnings(cuts, limit, why)]
             if role == "speculative":
                 warnings += _missing_counters(runs[role], server, descs[role])
         finally:
@@ -185,6 +237,8 @@ def _measure_in_turn(cfg, export_meta, out_dir, tokenizer, rows, concurrency, sa
         return {}
     paired = {}
     for name in rows:
+        if any(name not in runs[role][1] for role in ROLES):  # every prompt too long for a server
+            continue
         by_id = {role: {} for role in ROLES}
         for role in ROLES:
             for r in runs[role][1][name][0]:

@@ -46,6 +46,38 @@ class RequestRecord:
         return (self.latency_s - self.ttft_s) / (n - 1) if n > 1 else None
 
 
+def prompt_limit(context_lengths: list[Optional[int]], max_new_tokens: int, max_prompt_tokens: Optional[int],
+                 setting: str = "max_model_len") -> tuple[Optional[int], str]:
+    """The longest prompt (tokens) both servers take with room for ``max_new_tokens``, and why.
+
+    vLLM refuses a request whose prompt plus ``max_tokens`` exceeds its ``max_model_len``
+    (HTTP 400); SGLang refuses a prompt that reaches its ``context_length`` and silently
+    shortens ``max_new_tokens`` when prompt plus reply would pass it. Either way a turn
+    longer than ``min(context lengths) - max_new_tokens`` is skipped rather than sent, so
+    every measured reply may run to ``max_new_tokens``; ``max_prompt_tokens`` (the
+    in-process engine's limit) applies too, so both evaluations measure the same turns.
+
+    Args:
+        context_lengths: each server's effective limit (None where unknown).
+        setting: its name in the message (``max_model_len`` for vLLM, ``context_length``
+            for SGLang).
+
+    Returns:
+        ``(limit or None, the setting it comes from)``, e.g. ``(1920, "the servers'
+        max_model_len 2048 less max_new_tokens 128")``.
+    """
+    lens = [int(n) for n in context_lengths if n]
+    cands: list[tuple[int, str]] = []
+    if lens:
+        cands.append((min(lens) - int(max_new_tokens),
+                      f"the servers' {setting} {min(lens)} less max_new_tokens {int(max_new_tokens)}"))
+    if max_prompt_tokens:
+        cands.append((int(max_prompt_tokens), f"max_prompt_tokens={int(max_prompt_tokens)}"))
+    if not cands:
+        return None, ""
+    return min(cands)
+
+
 def percentiles_ms(values: list[float]) -> dict[str, Optional[float]]:
     """mean / p50 / p90 / p99 of seconds, in ms (numpy's linear percentiles, as
     ``bench_serving``); ``None`` for an empty list."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Optional
 
 from eagle3.engines import sglang as sg
 from eagle3.evaluate.served_measures import Pairs, RequestRecord, summarize
@@ -26,9 +27,16 @@ def _messages(sample: dict) -> list[dict]:
     return [dict(m) for m in msgs]
 
 
-def run_conversation(client: sg.SGLangClient, tokenizer, sample: dict, benchmark: str, sampling: dict) -> list[RequestRecord]:
+def run_conversation(client: sg.SGLangClient, tokenizer, sample: dict, benchmark: str, sampling: dict,
+                     max_prompt_tokens: Optional[int] = None, cuts: Optional[dict[str, set]] = None
+                     ) -> list[RequestRecord]:
     """Send every user turn of ``sample`` in order (later turns carry the decoded
     earlier answers); one :class:`RequestRecord` per turn.
+
+    A turn whose rendered prompt is longer than ``max_prompt_tokens`` (tokens;
+    :func:`eagle3.evaluate.served_measures.prompt_limit`) is not sent and ends the
+    conversation there (earlier turns are kept; none when it is the first); the sample id
+    is then added to ``cuts[benchmark]``.
 
     Raises:
         eagle3.engines.sglang.ServerUnavailable: (an ``Eagle3Error``) a request that keeps
@@ -42,6 +50,10 @@ def run_conversation(client: sg.SGLangClient, tokenizer, sample: dict, benchmark
     for i, user in enumerate(turns):
         history.append({"role": "user", "content": user["content"]})
         prompt = render_prompt(tokenizer, history)
+        if max_prompt_tokens is not None and len(prompt) > max_prompt_tokens:
+            if cuts is not None:
+                cuts.setdefault(benchmark, set()).add(str(sample["id"]))
+            break
         res = client.generate_stream({"input_ids": prompt, "sampling_params": dict(sampling)})
         meta = res.meta_info
         n = int(meta.get("completion_tokens", len(res.output_ids)))
@@ -58,18 +70,32 @@ def run_conversation(client: sg.SGLangClient, tokenizer, sample: dict, benchmark
     return records
 
 
+def first_turn_fits(tokenizer, sample: dict, max_prompt_tokens: Optional[int]) -> bool:
+    """Whether the rendered first user turn of ``sample`` is at most ``max_prompt_tokens``
+    tokens (always, when None)."""
+    from eagle3.target import render_prompt
+
+    if max_prompt_tokens is None:
+        return True
+    first = [m for m in _messages(sample) if m.get("role") == "user"][:1]
+    return len(render_prompt(tokenizer, [{"role": "user", "content": m["content"]} for m in first])) <= max_prompt_tokens
+
+
 def _warm_up(client: sg.SGLangClient, tokenizer, benchmarks: dict[str, list[dict]], sampling: dict, warmup: int,
-             role: str) -> None:
-    """Send the first prompt ``warmup`` times, unmeasured."""
-    first = next((s for rows in benchmarks.values() for s in rows), None)
+             role: str, max_prompt_tokens: Optional[int] = None) -> None:
+    """Send the first prompt whose first turn fits ``max_prompt_tokens`` ``warmup`` times, unmeasured."""
+    first = next((s for rows in benchmarks.values() for s in rows if first_turn_fits(tokenizer, s, max_prompt_tokens)),
+                 None)
     if warmup and first is not None:
         warm = [first] * int(warmup)
-        sg.run_parallel([client], warm, lambda c, s: run_conversation(c, tokenizer, s, "warmup", sampling),
+        sg.run_parallel([client], warm,
+                        lambda c, s: run_conversation(c, tokenizer, s, "warmup", sampling, max_prompt_tokens),
                         concurrency=min(len(warm), 4), desc=f"{role} warm-up", progress=False)
 
 
 def interleave_batch1(clients: dict[str, sg.SGLangClient], tokenizer, benchmarks: dict[str, list[dict]],
-                      sampling: dict, warmup: int) -> dict[str, Pairs]:
+                      sampling: dict, warmup: int, max_prompt_tokens: Optional[int] = None,
+                      cuts: Optional[dict[str, set]] = None) -> dict[str, Pairs]:
     """Every prompt on both servers at batch 1, prompt by prompt: ``{benchmark: pairs}``.
 
     Both servers are up at once and only one request is in flight on the machine:
@@ -79,6 +105,8 @@ def interleave_batch1(clients: dict[str, sg.SGLangClient], tokenizer, benchmarks
 
     Args:
         clients: ``{"baseline": client, "speculative": client}``.
+        max_prompt_tokens, cuts: as for :func:`run_conversation` (a prompt whose first
+            turn is too long makes no pair).
 
     Returns:
         per benchmark, one ``(baseline records, speculative records)`` pair per prompt
@@ -92,7 +120,7 @@ def interleave_batch1(clients: dict[str, sg.SGLangClient], tokenizer, benchmarks
     from tqdm.auto import tqdm
 
     for role in ROLES:
-        _warm_up(clients[role], tokenizer, benchmarks, sampling, warmup, role)
+        _warm_up(clients[role], tokenizer, benchmarks, sampling, warmup, role, max_prompt_tokens)
         clients[role].flush_cache()
     out: dict[str, Pairs] = {}
     k = 0
@@ -101,8 +129,10 @@ def interleave_batch1(clients: dict[str, sg.SGLangClient], tokenizer, benchmarks
             out[name] = []
             for sample in rows:
                 order = ROLES if k % 2 == 0 else ROLES[::-1]
-                recs = {role: run_conversation(clients[role], tokenizer, sample, name, sampling) for role in order}
-                out[name].append((recs["baseline"], recs["speculative"]))
+                recs = {role: run_conversation(clients[role], tokenizer, sample, name, sampling, max_prompt_tokens, cuts)
+                        for role in order}
+                if recs["baseline"] or recs["speculative"]:
+                    out[name].append((recs["baseline"], recs["speculative"]))
                 k += 1
                 bar.update(1)
     return out
@@ -116,13 +146,16 @@ def sweep_server(
     sampling: dict,
     warmup: int,
     role: str,
+    max_prompt_tokens: Optional[int] = None,
+    cuts: Optional[dict[str, set]] = None,
 ) -> dict[int, dict[str, tuple[list[RequestRecord], float]]]:
     """All benchmarks at every concurrency on one server: ``{c: {bench: (records, s)}}``.
 
     The cache is flushed before each run (prefix reuse and the server's acceptance
-    counters start from zero); ``warmup`` prompts are sent first, unmeasured.
+    counters start from zero); ``warmup`` prompts are sent first, unmeasured. Turns longer
+    than ``max_prompt_tokens`` are not sent (:func:`run_conversation`).
     """
-    _warm_up(client, tokenizer, benchmarks, sampling, warmup, role)
+    _warm_up(client, tokenizer, benchmarks, sampling, warmup, role, max_prompt_tokens)
     out: dict[int, dict[str, tuple[list[RequestRecord], float]]] = {}
     for c in concurrency:
         out[c] = {}
@@ -130,7 +163,8 @@ def sweep_server(
             client.flush_cache()
             t0 = time.perf_counter()
             per_sample = sg.run_parallel(
-                [client], rows, lambda cl, s, name=name: run_conversation(cl, tokenizer, s, name, sampling),
+                [client], rows,
+                lambda cl, s, name=name: run_conversation(cl, tokenizer, s, name, sampling, max_prompt_tokens, cuts),
                 concurrency=c, desc=f"{role} {name} c={c}",
             )
             dur = time.perf_counter() - t0

@@ -142,8 +142,8 @@ def evaluate_servers(cfg: Any, settings, export, info, tokenizer, benchmarks: di
             :func:`~eagle3.evaluate.served_vllm_servers.check_servers`, or a failing request.
     """
     from eagle3.evaluate.served_results import PLOT_NAME, plot_throughput
-    from eagle3.evaluate.served_vllm_measure import (Servers, measure_pairs, pairs_as_sweep, prompt_limit,
-                                                     sweep_concurrency, warm_up)
+    from eagle3.evaluate.served_measures import prompt_limit
+    from eagle3.evaluate.served_vllm_measure import Servers, measure_pairs, pairs_as_sweep, sweep_concurrency, warm_up
     from eagle3.evaluate.served_vllm_servers import cap_warnings, check_servers, open_servers
     from eagle3.target import render_prompt, resolve_target
 

@@ -117,30 +117,6 @@ def warm_up(servers: Servers, prompt: list[int], n: int) -> None:
             servers.client(role).complete(dict(servers.body, prompt=list(prompt)))
 
 
-def prompt_limit(max_model_lens: list[Optional[int]], max_new_tokens: int,
-                 max_prompt_tokens: Optional[int]) -> tuple[Optional[int], str]:
-    """The longest prompt (tokens) both servers accept with room for ``max_new_tokens``, and why.
-
-    vLLM refuses a request whose prompt plus ``max_tokens`` exceeds its ``max_model_len``
-    (HTTP 400), so a turn longer than ``min(max_model_len) - max_new_tokens`` is skipped
-    rather than sent; ``max_prompt_tokens`` (the in-process engine's limit) applies too.
-
-    Returns:
-        ``(limit or None, the setting it comes from)``, e.g. ``(1920, "the servers' max_model_len
-        2048 less max_new_tokens 128")``.
-    """
-    lens = [int(n) for n in max_model_lens if n]
-    cands: list[tuple[int, str]] = []
-    if lens:
-        cands.append((min(lens) - int(max_new_tokens),
-                      f"the servers' max_model_len {min(lens)} less max_new_tokens {int(max_new_tokens)}"))
-    if max_prompt_tokens:
-        cands.append((int(max_prompt_tokens), f"max_prompt_tokens={int(max_prompt_tokens)}"))
-    if not cands:
-        return None, ""
-    return min(cands)
-
-
 def measure_pairs(servers: Servers, benchmarks: dict[str, list[dict]], render: Callable[[list[dict]], list[int]],
                   decode: Callable[[list[int]], str], max_prompt_tokens: Optional[int] = None,
                   why: str = "", warnings: Optional[list[str]] = None) -> dict[str, list[Pair]]:
@@ -148,7 +124,8 @@ def measure_pairs(servers: Servers, benchmarks: dict[str, list[dict]], render: C
 
     A turn whose rendered prompt is longer than ``max_prompt_tokens`` is not sent and ends
     its row (earlier turns are kept), as the in-process evaluation does; the count per
-    benchmark goes to ``warnings`` with ``why`` (the limit's source, :func:`prompt_limit`).
+    benchmark goes to ``warnings`` with ``why`` (the limit's source,
+    :func:`eagle3.evaluate.served_measures.prompt_limit`).
 
     Args:
         benchmarks: name -> rows with ``id`` and ``messages``.
