@@ -11,7 +11,9 @@ Methods: ``hf_eager`` (``model.generate``, DynamicCache: what the engine did bef
 ``hf_static`` (``model.generate(cache_implementation="static")``, which transformers
 compiles with CUDA graphs on CUDA: the fastest plain library path), ``engine`` (the
 engine's own call: :func:`eagle3.engines.hf.engine.generation_config` and
-:func:`~eagle3.engines.hf.engine.left_pad` with the device's default cache). The first
+:func:`~eagle3.engines.hf.engine.left_pad` with the device's default cache), ``graphs``
+(:class:`eagle3.engines.hf.batch_decode.BatchDecoder`, ``engine.generate_cache=graphs``:
+the decode step replayed from a CUDA graph, nothing compiled). The first
 repeat compiles and is not reported. Prints generated tokens/s (median over repeats,
 min-max), the ratio to ``hf_static`` and how many rows equal ``hf_eager``'s.
 """
@@ -68,8 +70,19 @@ def main(argv=None) -> dict:
         synchronize(device)
         return out[:, ids.shape[1]:].cpu(), B * N / (time.perf_counter() - t)
 
+    from eagle3.engines.hf.batch_decode import SLOT_MULTIPLE, BatchDecoder
+
+    decoder = BatchDecoder(model, capacity=B * (-(-(T + N) // SLOT_MULTIPLE) * SLOT_MULTIPLE))
+
+    def graphs():
+        synchronize(device)
+        t = time.perf_counter()
+        rows = decoder.generate(seqs, N, stop_ids=[], pad_id=0)
+        synchronize(device)
+        return torch.tensor(rows), B * N / (time.perf_counter() - t)
+
     methods = {"hf_eager": lambda: call(False, 1), "hf_static": lambda: call(True, 1),
-               "engine": lambda: call(engine_static, STATIC_WIDTH_MULTIPLE if engine_static else 1)}
+               "engine": lambda: call(engine_static, STATIC_WIDTH_MULTIPLE if engine_static else 1), "graphs": graphs}
     names = list(methods)
     rates: dict[str, list[float]] = {m: [] for m in names}
     tokens: dict[str, torch.Tensor] = {}

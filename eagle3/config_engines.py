@@ -27,6 +27,8 @@ class HFEngineConfig:
     # graphs on CUDA; dynamic = DynamicCache, eager; auto = dynamic: on real extraction (varied
     # prompt lengths, several workers compiling on shared CPU cores) static measured 2.7x slower
     # on one H200 (docs/performance.md); it wins only at fixed shapes (benchmarks/regenerate_speed.py).
+    # graphs = this project's batched decoder (eagle3.engines.hf.batch_decode): a preallocated
+    # cache and the decode step replayed from one CUDA graph per batch shape, no compilation.
     generate_cache: str = "auto"
     # Evaluation's batch-1 decoding (baseline and speculative): static = preallocated KV caches
     # for target and drafter (eagle3.spec.slots), forwards replayed from CUDA graphs on CUDA

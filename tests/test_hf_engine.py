@@ -158,3 +158,30 @@ def test_engine_info_and_errors(engine, tiny_target_dir, tmp_path):
         engine.capture([[1, 2]], top_k=0)
     with pytest.raises(Eagle3Error, match="engine 'tgi' is unknown; use engine=hf, engine=sglang or engine=vllm"):
         build_engine(ModelConfig(name="t", source=str(tiny_target_dir)), HFEngineConfig(name="tgi"), tmp_path, None)
+
+
+def test_graphs_generate_cache_gives_generates_greedy_tokens(tiny_target_dir, tmp_path):
+    """engine.generate_cache=graphs (eagle3.engines.hf.batch_decode), float32: the rows of
+    transformers' generate, batches of several shapes through the one cache, stops honoured,
+    sampling seeded."""
+    cfg = ModelConfig(name="tiny", source=str(tiny_target_dir), aux_layer_ids=[1, 4, 8])
+    eng = build_engine(cfg, HFEngineConfig(device="cpu", generate_cache="graphs", generate_batch_size=2,
+                                           max_batch_tokens=64), tmp_path / "cache", None)
+    try:
+        eng.model.float()
+        assert eng.info()["generate_cache"] == "graphs"
+        prompts = _seqs(5, seed=1)
+        smp = SamplingConfig(max_new_tokens=7)
+        got = eng.generate(prompts, smp)
+        for p, row in zip(prompts, got):
+            with torch.inference_mode():
+                ref = eng.model.generate(torch.tensor([p]), max_new_tokens=7, do_sample=False,
+                                         eos_token_id=eng.stop_ids, pad_token_id=eng.pad_id)[0, len(p):].tolist()
+            assert row == ref
+        assert eng._batch_decoder is not None and eng._batch_decoder.cache.capacity == 8 * 64 + 2 * 64
+        sampled = SamplingConfig(temperature=1.0, top_p=0.9, max_new_tokens=6, seed=3)
+        greedy6 = SamplingConfig(max_new_tokens=6)
+        assert eng.generate(prompts[:2], sampled) == eng.generate(prompts[:2], sampled) != eng.generate(prompts[:2],
+                                                                                                      greedy6)
+    finally:
+        eng.close()

@@ -227,7 +227,7 @@ def test_engine_generate_cache_setting_is_checked():
 
     from eagle3.engines.hf.engine import HFEngine
 
-    with pytest.raises(Eagle3Error, match="generate_cache='fast'"):
+    with pytest.raises(Eagle3Error, match="generate_cache='fast': use auto, dynamic, static or graphs"):
         HFEngine.__init__(object.__new__(HFEngine), model=None, tokenizer=SimpleNamespace(),
                           target=None, engine_cfg=SimpleNamespace(generate_cache="fast", attn_implementation="sdpa"),
                           device=torch.device("cpu"))

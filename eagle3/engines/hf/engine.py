@@ -8,9 +8,12 @@ attention of :mod:`eagle3.engines.hf.attention` (prefill stays ``sdpa``); record
 ``generate_attn`` in :meth:`HFEngine.info`. With ``engine.generate_cache=static`` the
 KV cache is transformers' ``StaticCache`` and transformers compiles the decode step
 (CUDA graphs on CUDA); prompts are then padded to a multiple of 64 so batches share
-compiled shapes (``generate_cache`` in :meth:`HFEngine.info`). ``auto`` (the default) is
-the dynamic cache: on real extraction the compilations cost more than they save
-(docs/performance.md).
+compiled shapes (``generate_cache`` in :meth:`HFEngine.info`). With
+``engine.generate_cache=graphs`` it is this project's
+:class:`eagle3.engines.hf.batch_decode.BatchDecoder`: one preallocated cache, the decode
+step of each batch shape captured once as a CUDA graph, nothing compiled. ``auto`` (the
+default) is the dynamic cache: on real extraction the compilations of ``static`` cost
+more than they save (docs/performance.md).
 
 Capture: one forward pass of the base model per length-sorted batch with right
 padding, an explicit attention mask and position ids ``0..len-1``, so every real token
@@ -139,9 +142,11 @@ class HFEngine(Engine):
 
     def __init__(self, model, tokenizer, target: TargetInfo, engine_cfg, device: torch.device):
         cache = getattr(engine_cfg, "generate_cache", "auto") or "auto"
-        if cache not in ("auto", "dynamic", "static"):
-            raise Eagle3Error(f"engine.generate_cache={cache!r}: use auto, dynamic or static")
+        if cache not in ("auto", "dynamic", "static", "graphs"):
+            raise Eagle3Error(f"engine.generate_cache={cache!r}: use auto, dynamic, static or graphs")
         self.static_generate = cache == "static"
+        self.graph_generate = cache == "graphs"
+        self._batch_decoder = None
         self.model = model
         self.tokenizer = tokenizer
         self.target = target
@@ -185,7 +190,7 @@ class HFEngine(Engine):
             "dtype": str(next(self.model.parameters()).dtype).replace("torch.", ""),
             "attn_implementation": self.cfg.attn_implementation,
             "generate_attn": self.generate_attn,
-            "generate_cache": "static" if self.static_generate else "dynamic",
+            "generate_cache": "static" if self.static_generate else ("graphs" if self.graph_generate else "dynamic"),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
         }
@@ -225,6 +230,8 @@ class HFEngine(Engine):
         # a CPU batch of long prompts takes minutes: show it (terminals only; leaves no line behind)
         for idx in tqdm(batches, desc="generate", unit="batch", leave=False, disable=None if len(batches) > 1 else True,
                         file=sys.stderr):
+            if self.graph_generate and self._graphed(idx, prompts, sampling, budget, out):
+                continue
             ids, mask = left_pad([prompts[i] for i in idx], self.pad_id,
                                  STATIC_WIDTH_MULTIPLE if self.static_generate else 1)
             width = ids.shape[1]
@@ -238,6 +245,25 @@ class HFEngine(Engine):
                 cut = next((j for j, t in enumerate(toks) if t in stop), None)
                 out[i] = toks[: cut + 1] if cut is not None else toks
         return out  # type: ignore[return-value]
+
+    def _graphed(self, idx: list[int], prompts: list[list[int]], sampling, budget: int,
+                 out: list[Optional[list[int]]]) -> bool:
+        """Generate batch ``idx`` with the :class:`BatchDecoder` (``generate_cache=graphs``)
+        into ``out``; False (nothing done) for a batch beyond its cache (one prompt longer
+        than the token budget), which then takes ``model.generate``."""
+        from eagle3.engines.hf.batch_decode import SLOT_MULTIPLE, BatchDecoder
+
+        if self._batch_decoder is None:  # one cache for every batch: the budget, plus rounding of each row's width
+            capacity = budget + self.batch["generate_batch_size"] * SLOT_MULTIPLE
+            self._batch_decoder = BatchDecoder(self.model, capacity, cuda_graphs=getattr(self.cfg, "cuda_graphs", True))
+        width = max(len(prompts[i]) for i in idx) + int(sampling.max_new_tokens)
+        if len(idx) * (-(-width // SLOT_MULTIPLE) * SLOT_MULTIPLE) > self._batch_decoder.cache.capacity:
+            return False
+        rows = self._batch_decoder.generate([prompts[i] for i in idx], int(sampling.max_new_tokens), self.stop_ids,
+                                            self.pad_id, float(sampling.temperature), float(sampling.top_p))  # seeded above
+        for i, row in zip(idx, rows):
+            out[i] = row
+        return True
 
     # ----------------------------------------------------------------- capture
     @contextlib.contextmanager
