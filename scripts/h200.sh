@@ -12,8 +12,10 @@
 # Sizes come from the environment: PROMPTS, EXTRACT_WORKERS, MAX_TURNS, MAX_NEW_TOKENS, EPOCHS,
 # EVAL_PROMPTS, EVAL_WORKERS, EVAL_MAX_NEW_TOKENS, TIMING_PROMPTS, MTBENCH (path of MT-Bench's
 # question.jsonl, adds that benchmark), FEAT (features folder, default $RUN/features: several
-# runs can train on one extraction) and TRAIN_OVERRIDES (extra train.py overrides, e.g.
-# "drafter.lm_head_init=target"). extract_gsm8k regenerates the train and validation splits that
+# runs can train on one extraction), TRAIN_OVERRIDES (extra train.py overrides, e.g.
+# "drafter.lm_head_init=target") and GENERATE_CACHE (the extractions' engine.generate_cache:
+# auto, or graphs for the batched CUDA-graph decoder; bench_regen times both).
+# bench_regen (not in the default STAGES): benchmarks/regenerate_speed.py at batch 256. extract_gsm8k regenerates the train and validation splits that
 # extraction carves out of GSM8K's test set (1,259 of its 1,319 questions; there is no GSM8K train
 # set offline) into $RUN/features-gsm8k; train then reads both folders when that extraction
 # finished, and evaluation scores GSM8K on the 60 held-out questions (those trained on are left out). A multi-turn extraction (MAX_TURNS > 1) is
@@ -38,6 +40,7 @@ STAGES=${STAGES:-"extract extract_gsm8k train bench_train evaluate timing bench_
 FEAT=${FEAT:-$RUN/features}
 TRAIN_OVERRIDES=${TRAIN_OVERRIDES:-}
 SAMPLED_TEMPERATURE=${SAMPLED_TEMPERATURE:-0.7}
+GENERATE_CACHE=${GENERATE_CACHE:-auto}
 DRAFTER=$RUN/drafter
 mkdir -p "$RUN"
 export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=10
@@ -52,17 +55,18 @@ for stage in $STAGES; do
   case $stage in
   extract)
     python extract.py engine.device=cuda data.limit="$PROMPTS" capture.max_turns="$MAX_TURNS" \
-      sampling.max_new_tokens="$MAX_NEW_TOKENS" output_dir="$FEAT" \
+      sampling.max_new_tokens="$MAX_NEW_TOKENS" output_dir="$FEAT" engine.generate_cache="$GENERATE_CACHE" \
       engine.max_batch_tokens=32768 parallel.workers="$EXTRACT_WORKERS" parallel.devices="$(same_gpu "$EXTRACT_WORKERS")" 2>&1 | tee "$RUN/extract.log"
     ;;
   extract_gsm8k)
     python extract.py engine.device=cuda data=gsm8k capture.max_turns=1 sampling.max_new_tokens=256 \
-      engine.generate_batch_size=32 output_dir="$RUN/features-gsm8k" \
+      engine.generate_batch_size=32 output_dir="$RUN/features-gsm8k" engine.generate_cache="$GENERATE_CACHE" \
       parallel.workers="$EXTRACT_WORKERS" parallel.devices="$(same_gpu "$EXTRACT_WORKERS")" 2>&1 | tee "$RUN/extract-gsm8k.log"
     ;;
   extract_sampled)
     python extract.py engine.device=cuda data.limit="$PROMPTS" capture.max_turns=1 sampling.max_new_tokens="$MAX_NEW_TOKENS" \
       sampling.temperature="$SAMPLED_TEMPERATURE" sampling.seed=1 output_dir="$RUN/features-sampled" \
+      engine.generate_cache="$GENERATE_CACHE" \
       engine.max_batch_tokens=32768 parallel.workers="$EXTRACT_WORKERS" parallel.devices="$(same_gpu "$EXTRACT_WORKERS")" 2>&1 | tee "$RUN/extract-sampled.log"
     ;;
   train)
@@ -101,6 +105,10 @@ diff = max((a[k].float() - b[k].float()).abs().max().item() for k in a if a[k].i
 m = json.load(open(f"{d}/fsdp/metrics.json"))
 print(f"fsdp_check: distributed_type={m['distributed_type']} same keys={a.keys() == b.keys()} max |diff| of exported weights={diff:.3g}")
 PY
+    ;;
+  bench_regen)
+    python benchmarks/regenerate_speed.py --device cuda --batch-size 256 --prompt-len 256 --new-tokens 128 \
+      --repeats 4 2>&1 | tee "$RUN/bench_regen.log"
     ;;
   bench_extract)
     python benchmarks/extract_throughput.py --device cuda --batch-size 64 --seq-len 1024 --iters 10 2>&1 | tee "$RUN/bench_extract.log"
