@@ -41,6 +41,16 @@ from eagle3.errors import Eagle3Error
 SLOT_ALIGN = 64  # buffers hold a multiple of this many slots (module docstring)
 
 
+def kv_layout(config) -> tuple[int, int, int]:
+    """``(num_layers, num_kv_heads, head_dim)`` of a transformers decoder config
+    (``num_hidden_layers``, ``num_key_value_heads`` or the head count, ``head_dim`` or
+    ``hidden_size / num_attention_heads``)."""
+    heads = int(config.num_attention_heads)
+    kv = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    return int(config.num_hidden_layers), kv, head_dim
+
+
 class SlotCache:
     """Preallocated per-layer K/V buffers written at explicit slots (module docstring).
 
@@ -86,12 +96,8 @@ class SlotCache:
     @classmethod
     def for_model(cls, config, max_len: int, dtype: torch.dtype, device,
                   min_span: Optional[int] = 256) -> "SlotCache":
-        """A cache shaped for a transformers decoder config (``num_hidden_layers``,
-        ``num_key_value_heads``, ``head_dim`` or ``hidden_size / num_attention_heads``)."""
-        heads = int(config.num_attention_heads)
-        kv = int(getattr(config, "num_key_value_heads", None) or heads)
-        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-        return cls(int(config.num_hidden_layers), kv, head_dim, max_len, dtype, device, min_span)
+        """A cache shaped for a transformers decoder config (:func:`kv_layout`)."""
+        return cls(*kv_layout(config), max_len, dtype, device, min_span)
 
     def span_for(self, end: int) -> int:
         """The attention span of a call that writes up to slot ``end - 1``: ``min_span``

@@ -23,6 +23,24 @@ def synchronize(device: torch.device | str) -> None:
         torch.cuda.synchronize(device)
 
 
+def explicit_mask(visible: torch.Tensor, attn_implementation: str, dtype: torch.dtype, what: str) -> torch.Tensor:
+    """A 4D bool visibility mask (``[B, 1, n, S]``, True = attend) in the form an attention
+    implementation reads: ``sdpa`` takes it as is, ``eager`` an additive mask in ``dtype``
+    (0 = attend, the dtype's minimum = masked; transformers ``eager_attention_forward``).
+
+    Raises:
+        Eagle3Error: another implementation (it takes no explicit mask); ``what`` names the
+            caller in the message.
+    """
+    if attn_implementation == "eager":
+        zero = torch.zeros((), dtype=dtype, device=visible.device)
+        return torch.where(visible, zero, torch.finfo(dtype).min)
+    if attn_implementation == "sdpa":
+        return visible
+    raise Eagle3Error(f"{what} needs an explicit attention mask, which attn_implementation='{attn_implementation}' "
+                      "does not take; use engine.attn_implementation=sdpa or eager")
+
+
 def truncate_cache(cache, length: int) -> None:
     """Crop a transformers ``Cache`` to its first ``length`` positions (no-op if shorter).
 
@@ -128,17 +146,8 @@ class TargetRunner:
         Raises:
             Eagle3Error: another attention implementation (it takes no custom mask).
         """
-        mask = visible[None, None]
-        if self.attn_implementation == "eager":
-            dtype = next(self.model.parameters()).dtype
-            zero = torch.zeros((), dtype=dtype, device=mask.device)
-            return torch.where(mask, zero, torch.finfo(dtype).min)
-        if self.attn_implementation == "sdpa":
-            return mask
-        raise Eagle3Error(
-            f"tree verification needs a custom attention mask, which attn_implementation="
-            f"'{self.attn_implementation}' does not take; use engine.attn_implementation=sdpa or eager"
-        )
+        return explicit_mask(visible[None, None], self.attn_implementation, next(self.model.parameters()).dtype,
+                             "tree verification")
 
     # --- the four calls of a round (a static-cache runner overrides them) -----------------
     def prefill(self, input_ids: torch.Tensor, cache, capture: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

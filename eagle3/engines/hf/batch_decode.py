@@ -36,6 +36,8 @@ import torch
 
 from eagle3.errors import Eagle3Error
 from eagle3.spec.graphs import GraphedCall
+from eagle3.spec.slots import kv_layout
+from eagle3.spec.target import explicit_mask
 
 SLOT_MULTIPLE = 64  # batch widths (prompt + new tokens) are rounded up to this: fewer graph shapes, aligned keys
 DONE_CHECK_EVERY = 16  # decode steps between host reads of "has every row stopped"
@@ -74,10 +76,7 @@ class FlatSlotCache:
     @classmethod
     def for_model(cls, config, capacity: int, dtype: torch.dtype, device) -> "FlatSlotCache":
         """A cache shaped for a transformers decoder config."""
-        heads = int(config.num_attention_heads)
-        kv = int(getattr(config, "num_key_value_heads", None) or heads)
-        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-        return cls(int(config.num_hidden_layers), kv, head_dim, capacity, dtype, device)
+        return cls(*kv_layout(config), capacity, dtype, device)
 
     def use(self, rows: int, width: int) -> None:
         """View the buffers as ``[rows, kv, width, d]`` from now on.
@@ -137,9 +136,7 @@ class BatchDecoder:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.attn = getattr(model.config, "_attn_implementation", None) or "sdpa"
-        if self.attn not in ("sdpa", "eager"):
-            raise Eagle3Error(f"batched graph decoding needs an explicit attention mask, which attn_implementation="
-                              f"'{self.attn}' does not take; use engine.attn_implementation=sdpa or eager")
+        explicit_mask(torch.ones(1, 1, 1, 1, dtype=torch.bool), self.attn, self.dtype, "batched graph decoding")
         self.cache = FlatSlotCache.for_model(model.config, capacity, self.dtype, self.device)
         self.cuda_graphs = self.device.type == "cuda" and (cuda_graphs is None or bool(cuda_graphs))
         self._decode = GraphedCall(self._step, enabled=self.cuda_graphs)
@@ -148,11 +145,7 @@ class BatchDecoder:
     def _mask(self, visible: torch.Tensor) -> torch.Tensor:
         """``[B, n, S]`` bool -> the ``[B, 1, n, S]`` mask the attention reads (bool for sdpa,
         additive for eager)."""
-        mask = visible[:, None]
-        if self.attn == "eager":
-            zero = torch.zeros((), dtype=self.dtype, device=mask.device)
-            return torch.where(mask, zero, torch.finfo(self.dtype).min)
-        return mask
+        return explicit_mask(visible[:, None], self.attn, self.dtype, "batched graph decoding")
 
     def _step(self, tok: torch.Tensor, pos: torch.Tensor, start: torch.Tensor, slot: torch.Tensor
               ) -> tuple[torch.Tensor]:
@@ -241,10 +234,11 @@ class BatchDecoder:
             pos = pos + 1
             if t % DONE_CHECK_EVERY == 0 and bool(done.all()):
                 break
-        rows = torch.stack(steps, dim=1).tolist()
-        stops = set(int(s) for s in stop_ids)
-        result = []
-        for row in rows:
-            cut = next((j for j, t in enumerate(row) if t in stops), None)
-            result.append(row[: cut + 1] if cut is not None else row)
-        return result
+        return [cut_after_stop(row, stop_ids) for row in torch.stack(steps, dim=1).tolist()]
+
+
+def cut_after_stop(row: list[int], stop_ids: Sequence[int]) -> list[int]:
+    """``row`` up to and including its first stop id (all of it when there is none)."""
+    stops = set(int(s) for s in stop_ids)
+    cut = next((j for j, t in enumerate(row) if t in stops), None)
+    return row[: cut + 1] if cut is not None else row

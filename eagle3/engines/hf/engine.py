@@ -41,6 +41,7 @@ from tqdm import tqdm
 
 from eagle3.target import end_of_turn_ids
 from eagle3.engines.base import Engine
+from eagle3.engines.hf.batch_decode import cut_after_stop
 from eagle3.errors import Eagle3Error
 from eagle3.features import Capture, rank_top_k
 from eagle3.devices import resolve_device
@@ -224,7 +225,6 @@ class HFEngine(Engine):
             torch.manual_seed(int(sampling.seed))
         lengths = [len(p) for p in prompts]
         out: list[Optional[list[int]]] = [None] * len(prompts)
-        stop = set(self.stop_ids)
         budget = GENERATE_TOKEN_FACTOR * self.batch["max_batch_tokens"]  # prompt + new tokens per batch
         batches = _batches(lengths, self.batch["generate_batch_size"], budget, int(sampling.max_new_tokens))
         # a CPU batch of long prompts takes minutes: show it (terminals only; leaves no line behind)
@@ -241,9 +241,7 @@ class HFEngine(Engine):
                 )
             new = gen[:, width:].tolist()
             for r, i in enumerate(idx):
-                toks = new[r]
-                cut = next((j for j, t in enumerate(toks) if t in stop), None)
-                out[i] = toks[: cut + 1] if cut is not None else toks
+                out[i] = cut_after_stop(new[r], self.stop_ids)
         return out  # type: ignore[return-value]
 
     def _graphed(self, idx: list[int], prompts: list[list[int]], sampling, budget: int,
