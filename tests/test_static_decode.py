@@ -105,6 +105,26 @@ def test_slot_cache_spans_double_from_min_span_up_to_max_len():
     assert off.span_for(1) == off.span_for(64) == 64
 
 
+def test_graphed_call_keeps_the_most_recently_used_graphs(monkeypatch):
+    """max_graphs: capturing a new key drops the least recently used graph (bookkeeping only:
+    the capture is replaced by a stand-in, as CPU tensors cannot be captured)."""
+    from eagle3.spec import graphs as gr
+
+    class Replay:
+        def replay(self):
+            pass
+
+    g = GraphedCall(lambda x: (x,), enabled=True, max_graphs=2)
+    monkeypatch.setattr(g, "_capture", lambda inputs: gr._Graph(Replay(), tuple(x.clone() for x in inputs),
+                                                                 (torch.zeros(1),)))
+    x = torch.zeros(1)
+    for key in ("a", "b", "a", "c"):
+        g(key, x)
+    assert g.captures == ["a", "c"]  # "b" was the least recently used when "c" came
+    g("b", x)
+    assert g.captures == ["c", "b"]
+
+
 def test_graphed_call_is_a_plain_call_when_disabled():
     calls = []
     g = GraphedCall(lambda x: (calls.append(1) or x * 2,), enabled=False)

@@ -23,7 +23,7 @@ simply called: the same code path, eager, which is what the CPU tests check.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Hashable, Sequence
+from typing import Callable, Hashable, Optional, Sequence
 
 import torch
 
@@ -43,14 +43,18 @@ class GraphedCall:
             for what it may do).
         enabled: capture and replay (needs CUDA tensors); False calls ``fn`` directly.
         warmup: eager runs on a side stream before capture.
+        max_graphs: keep at most this many graphs, dropping the least recently used one
+            (its memory pool with it) before capturing another; None = keep every graph.
 
     Attributes:
         captures: keys captured so far (a key's capture costs ``warmup + 1`` eager runs
             and the recording).
     """
 
-    def __init__(self, fn: Callable[..., tuple[torch.Tensor, ...]], enabled: bool, warmup: int = 2):
+    def __init__(self, fn: Callable[..., tuple[torch.Tensor, ...]], enabled: bool, warmup: int = 2,
+                 max_graphs: Optional[int] = None):
         self.fn, self.enabled, self.warmup = fn, bool(enabled), int(warmup)
+        self.max_graphs = max_graphs
         self._graphs: dict[Hashable, _Graph] = {}
 
     @property
@@ -65,9 +69,12 @@ class GraphedCall:
         """
         if not self.enabled:
             return self.fn(*inputs)
-        g = self._graphs.get(key)
+        g = self._graphs.pop(key, None)
         if g is None:
-            g = self._graphs[key] = self._capture(inputs)
+            while self.max_graphs is not None and len(self._graphs) >= self.max_graphs:
+                self._graphs.pop(next(iter(self._graphs)))  # the least recently used
+            g = self._capture(inputs)
+        self._graphs[key] = g  # most recently used last
         for static, x in zip(g.inputs, inputs):
             if static.shape != x.shape:
                 raise ValueError(f"graph {key!r} was captured for input shape {tuple(static.shape)}, got {tuple(x.shape)}")

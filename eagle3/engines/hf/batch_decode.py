@@ -41,6 +41,7 @@ from eagle3.spec.target import explicit_mask
 
 SLOT_MULTIPLE = 64  # batch widths (prompt + new tokens) are rounded up to this: fewer graph shapes, aligned keys
 DONE_CHECK_EVERY = 16  # decode steps between host reads of "has every row stopped"
+MAX_GRAPHS = 4  # decode-step graphs kept (each holds a memory pool of one step's activations and logits)
 
 
 class FlatSlotCache:
@@ -139,7 +140,8 @@ class BatchDecoder:
         explicit_mask(torch.ones(1, 1, 1, 1, dtype=torch.bool), self.attn, self.dtype, "batched graph decoding")
         self.cache = FlatSlotCache.for_model(model.config, capacity, self.dtype, self.device)
         self.cuda_graphs = self.device.type == "cuda" and (cuda_graphs is None or bool(cuda_graphs))
-        self._decode = GraphedCall(self._step, enabled=self.cuda_graphs)
+        # extraction's batches come longest first, nearly every one a new shape: keep few graphs
+        self._decode = GraphedCall(self._step, enabled=self.cuda_graphs, max_graphs=MAX_GRAPHS)
         self._slot = torch.zeros(1, dtype=torch.long, device=self.device)
 
     def _mask(self, visible: torch.Tensor) -> torch.Tensor:
