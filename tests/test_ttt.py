@@ -237,3 +237,59 @@ def test_chain_row_pruning_changes_nothing_but_the_work():
     assert p.accepted == f.accepted
     torch.testing.assert_close(gp, gf, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(hp, hf, atol=1e-6, rtol=1e-5)
+
+
+def random_sample(T, seed, start):
+    """A sample of ``T`` tokens whose assistant part starts at ``start`` with a gap of prompt tokens inside."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.zeros(T, dtype=torch.uint8)
+    mask[start:] = 1
+    mask[start + 3 : start + 5] = 0  # a second user turn in the middle
+    return {
+        "sample_id": f"r{seed}",
+        "input_ids": torch.randint(0, VD, (T,), generator=g, dtype=torch.int32),
+        "loss_mask": mask,
+        "aux_hidden_states": torch.randn(T, 3, H, generator=g).bfloat16(),
+        "topk_ids": torch.randint(0, VD, (T, K), generator=g, dtype=torch.int32),
+        "topk_logprobs": torch.log_softmax(torch.randn(T, K, generator=g), -1),
+    }
+
+
+def test_chunked_chain_attention_equals_the_dense_mask():
+    """chain_chunk (ChainMask): per chunk of chain rows, only the prefix up to the chunk and the
+    rows' own chain keys; the same logits, loss and gradients as the dense [prefix | eye ...]
+    mask, for chunks that divide the chain rows, that do not, and one chunk for all."""
+    torch.manual_seed(5)
+    m = Eagle3Drafter(DrafterArch(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                  intermediate_size=24, num_layers=1, target_hidden_size=H, vocab_size=V,
+                                  draft_vocab_size=VD))
+    samples = [random_sample(23, 1, 4), random_sample(17, 2, 9), random_sample(30, 3, 2)]
+    b = TTTCollator(T2D_INDEX, ttt_steps=4, max_length=64)(samples)
+    Tp = b["chain_rows"].shape[1]
+    assert Tp > 7 and b["chain_rows"].shape[0] == 3
+
+    def run(chunk):
+        m.zero_grad()
+        o = ttt_forward(m, b, 4, return_logits=True, chain_chunk=chunk)
+        o.loss.backward()
+        return o, {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    dense, gd = run(None)
+    for chunk in (3, 4, Tp, 64):
+        got, gc = run(chunk)
+        for j in range(4):
+            torch.testing.assert_close(got.logits[j], dense.logits[j], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got.loss, dense.loss, atol=1e-6, rtol=1e-6)
+        assert got.accepted == dense.accepted
+        assert gc.keys() == gd.keys() and "layers.0.self_attn.k_proj.weight" in gc
+        for n in gd:
+            torch.testing.assert_close(gc[n], gd[n], atol=1e-6, rtol=1e-5, msg=n)
+
+
+def test_chain_mask_chunk_ends_are_the_largest_prefix_in_each_chunk():
+    from eagle3.train.ttt import ChainMask
+
+    rows = torch.tensor([[2, 3, 7, 8, 9], [1, 5, 6, 0, 0]])  # sample 1 has 3 chain rows, then padding
+    cm = ChainMask.create(rows, T=12, chunk=2)
+    assert cm.ends == [6, 9, 10]  # max(rows[:, 0:2]) + 1, max(rows[:, 2:4]) + 1, max(rows[:, 4:5]) + 1
+    assert cm.at(3).step == 3 and cm.at(3).ends is cm.ends

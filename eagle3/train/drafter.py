@@ -134,8 +134,11 @@ class DrafterAttention(nn.Module):
         past_key_values: Optional[DynamicCache],
     ) -> torch.Tensor:
         """``x [B, T, in_features]`` -> ``[B, T, H]``; ``cos``/``sin`` ``[B, T, head_dim]``;
-        ``attention_mask`` as in :meth:`Eagle3Drafter.forward` (None = causal over cache + new rows);
-        ``past_key_values`` is extended in place with this layer's keys and values."""
+        ``attention_mask`` as in :meth:`Eagle3Drafter.forward` (None = causal over cache + new rows;
+        an object with an ``attend(q, k, v, rep)`` method, such as the training-time test's
+        :class:`eagle3.train.ttt.ChainMask`, computes the attention itself from the un-repeated
+        ``[B, kv, S, d]`` keys and values); ``past_key_values`` is extended in place with this
+        layer's keys and values."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # [B, h, T, d]
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, kv, T, d]
@@ -146,6 +149,10 @@ class DrafterAttention(nn.Module):
             past = past_key_values.get_seq_length(self.layer_idx)
             k, v = past_key_values.update(k, v, self.layer_idx)  # [B, kv, past+T, d]
         S = k.shape[2]
+        rep = self.num_heads // self.num_kv_heads
+        if hasattr(attention_mask, "attend"):  # a structured mask computes the attention itself
+            out = attention_mask.attend(q, k, v, rep)  # [B, h, T, d]
+            return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
         is_causal = False
         if attention_mask is None and T > 1:
             if past == 0:
@@ -153,7 +160,6 @@ class DrafterAttention(nn.Module):
             else:  # causal with a prefix: query i sits at absolute index past+i
                 q_abs = torch.arange(past, past + T, device=x.device)
                 attention_mask = (torch.arange(S, device=x.device)[None, :] <= q_abs[:, None])[None, None]
-        rep = self.num_heads // self.num_kv_heads
         k, v = repeat_kv(k, rep), repeat_kv(v, rep)  # [B, h, S, d] (every SDPA kernel accepts it)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, is_causal=is_causal)  # [B, h, T, d]
         out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
@@ -306,7 +312,8 @@ class Eagle3Drafter(nn.Module):
                 drafter's own previous output.
             position_ids: ``[B, T]`` int64 rotary positions.
             attention_mask: ``None`` = causal over cache + new rows; else ``[B|1, 1, T, S]``
-                bool, True = attend, ``S`` = cached length + ``T`` (tree drafting, TTT).
+                bool, True = attend, ``S`` = cached length + ``T`` (tree drafting, TTT), or
+                a structured mask that attends itself (:class:`eagle3.train.ttt.ChainMask`).
             past_key_values: a ``DynamicCache`` extended in place with this call's keys
                 and values (roll back with ``crop``).
             use_cache: create a new cache when ``past_key_values`` is None.

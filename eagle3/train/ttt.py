@@ -19,6 +19,11 @@ state at token ``p`` and its distribution of token ``p+1``, see docs/design.md):
   selects them (the formulation of SpecForge / speculators). Steps ``j >= 1`` run only
   on the rows that carry loss at some step ``>= 1`` (see :class:`TTTCollator`): a
   row's chain never affects another row, so the others (prompt rows) are skipped.
+  With ``chain_chunk`` set, steps ``j >= 1`` attend chunk by chunk of chain rows
+  instead (:class:`ChainMask`): each chunk's queries get only the step-0 keys up to
+  the chunk's last row and their own rows' chain keys, so the masked-out keys of the
+  other rows' chains are never computed. Same visible keys, same softmax: equal to
+  the dense mask up to float rounding (``tests/test_ttt.py``).
 
 Loss (EAGLE-3; float32 whatever the autocast dtype): forward KL from the target's
 top-k distribution, restricted to the draft vocabulary and renormalised, to the
@@ -38,10 +43,11 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
-from eagle3.train.drafter import Eagle3Drafter
+from eagle3.train.drafter import Eagle3Drafter, repeat_kv
 
 
 # ------------------------------------------------------------------ pure helpers
@@ -66,6 +72,64 @@ def ttt_attention_mask(T: int, step: int, device: torch.device | str = "cpu") ->
     eye = torch.eye(T, dtype=torch.bool, device=device)
     blocks += [eye] * step
     return torch.cat(blocks, dim=1)[None, None]
+
+
+@dataclass
+class ChainMask:
+    """Attention of TTT step ``step >= 1`` over the keys ``[step-0 keys (T) | chain keys of
+    steps 1..step (T' each)]``, computed per chunk of ``chunk`` chain rows.
+
+    Query row ``i`` (chain row ``chain_rows[b, i]``) sees step-0 keys ``0 ..
+    prefix_end[b, i] - 1`` and key ``T + (s - 1) * T' + i`` of each step ``s <= step``:
+    what :func:`ttt_forward`'s dense mask ``[prefix | eye | ... | eye]`` selects. A chunk
+    of rows ``a .. a + c - 1`` runs one SDPA call over the step-0 keys up to the chunk's
+    largest ``prefix_end`` and its ``step * c`` own chain keys, so the work per query is
+    ``prefix + step * c`` keys instead of ``T + step * T'``.
+
+    Attributes:
+        prefix_end: ``[B, T']`` int64, ``chain_rows + 1``.
+        ends: per chunk, the largest ``prefix_end`` in it (host ints).
+        T: step-0 keys; chunk: rows per chunk; step: the TTT step.
+    """
+
+    prefix_end: torch.Tensor
+    ends: list[int]
+    T: int
+    chunk: int
+    step: int = 1
+
+    @classmethod
+    def create(cls, chain_rows: torch.Tensor, T: int, chunk: int) -> "ChainMask":
+        """From the batch's ``chain_rows [B, T']`` (one host read of the chunk maxima)."""
+        prefix_end = chain_rows + 1
+        Tp = chain_rows.shape[1]
+        pad = -(-Tp // chunk) * chunk - Tp
+        padded = F.pad(prefix_end, (0, pad), value=1)
+        ends = padded.view(padded.shape[0], -1, chunk).amax(dim=(0, 2)).tolist() if Tp else []
+        return cls(prefix_end, [int(e) for e in ends], int(T), int(chunk))
+
+    def at(self, step: int) -> "ChainMask":
+        """The same mask for TTT step ``step``."""
+        return ChainMask(self.prefix_end, self.ends, self.T, self.chunk, int(step))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rep: int) -> torch.Tensor:
+        """``q [B, h, T', d]``, ``k, v [B, kv, T + step * T', d]`` (``h = kv * rep``) ->
+        ``[B, h, T', d]``, chunk by chunk (class docstring)."""
+        B, _, Tp, _ = q.shape
+        T, c, j = self.T, self.chunk, self.step
+        outs = []
+        for n, a in enumerate(range(0, Tp, c)):
+            w = min(c, Tp - a)
+            e = self.ends[n]
+            own = [(T + (s - 1) * Tp + a, T + (s - 1) * Tp + a + w) for s in range(1, j + 1)]
+            kk = torch.cat([k[:, :, :e]] + [k[:, :, lo:hi] for lo, hi in own], dim=2)  # [B, kv, e + j*w, d]
+            vv = torch.cat([v[:, :, :e]] + [v[:, :, lo:hi] for lo, hi in own], dim=2)
+            prefix = torch.arange(e, device=q.device)[None, None, :] < self.prefix_end[:, a : a + w, None]  # [B, w, e]
+            eye = torch.eye(w, dtype=torch.bool, device=q.device).repeat(1, j).expand(B, w, j * w)
+            mask = torch.cat([prefix, eye], dim=-1)[:, None]  # [B, 1, w, e + j*w]
+            outs.append(F.scaled_dot_product_attention(q[:, :, a : a + w], repeat_kv(kk, rep), repeat_kv(vv, rep),
+                                                       attn_mask=mask))
+        return torch.cat(outs, dim=2)
 
 
 def target_to_draft_index(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -294,6 +358,7 @@ def ttt_forward(
     ttt_steps: int,
     step_weight: float = 0.8,
     return_logits: bool = False,
+    chain_chunk: int | None = None,
 ) -> TTTOutput:
     """Unroll ``ttt_steps`` draft steps over a collated batch (see module docstring).
 
@@ -301,6 +366,8 @@ def ttt_forward(
         drafter: the drafter (its ``d2t`` must be the vocabulary the batch was
             collated with).
         batch: from :class:`TTTCollator`, on the drafter's device.
+        chain_chunk: steps ``>= 1`` attend per chunk of this many chain rows
+            (:class:`ChainMask`); None = one dense mask per step.
 
     Returns:
         :class:`TTTOutput`. Runs in the caller's autocast context; the loss is
@@ -329,12 +396,18 @@ def ttt_forward(
                 if Tp == 0:
                     break
                 hidden = hidden.gather(1, chain_rows[..., None].expand(B, Tp, hidden.shape[-1]))  # [B, T', H]
-                prefix = torch.arange(T, device=dev)[None, None, :] <= chain_rows[:, :, None]  # [B, T', T]
-                eye = torch.eye(Tp, dtype=torch.bool, device=dev).expand(B, Tp, Tp)
+                if chain_chunk:
+                    chain_mask = ChainMask.create(chain_rows, T, int(chain_chunk))
+                else:
+                    prefix = torch.arange(T, device=dev)[None, None, :] <= chain_rows[:, :, None]  # [B, T', T]
+                    eye = torch.eye(Tp, dtype=torch.bool, device=dev).expand(B, Tp, Tp)
             src = chain_rows + 1 + j
             tokens = ids.gather(1, src.clamp(max=T - 1)).masked_fill(src >= T, 0)  # x[r+1+j]
             pos = chain_rows + j
-            mask = torch.cat([prefix] + [eye] * j, dim=-1)[:, None]  # [B, 1, T', T + j*T']
+            if chain_chunk:
+                mask = chain_mask.at(j)
+            else:
+                mask = torch.cat([prefix] + [eye] * j, dim=-1)[:, None]  # [B, 1, T', T + j*T']
         out = drafter(tokens, hidden, pos, attention_mask=mask, past_key_values=cache, return_logits=False)
         hidden = out.hidden_states  # [B, T or T', H]
         rows = batch["rows"][j]
