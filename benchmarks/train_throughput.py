@@ -19,6 +19,7 @@ masked attention computes every step's full key range) are printed next to it.
     python benchmarks/train_throughput.py                 # both drafters, device auto
     python benchmarks/train_throughput.py --model smollm2 --device cpu --iters 2
     python benchmarks/train_throughput.py --model kimi --profile   # where a step's GPU time goes
+    python benchmarks/train_throughput.py --model kimi --chain-chunks 0,256   # dense vs chunked TTT attention
 
 ``--profile`` runs one more step under ``torch.profiler`` and prints the GPU kernel time
 by kind (attention kernels, matrix multiplies, the rest) and the slowest kernels.
@@ -144,9 +145,11 @@ def run(name: str, args) -> dict:
     batch = batch_to(batch, dev)
     amp = dev.type == "cuda" and not args.fp32
 
+    chunk = getattr(args, "chain_chunk", 0) or None
+
     def step():
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
-            out = ttt_forward(drafter, batch, args.ttt_steps)
+            out = ttt_forward(drafter, batch, args.ttt_steps, chain_chunk=chunk)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()
@@ -177,6 +180,7 @@ def run(name: str, args) -> dict:
     tokens = int(batch["num_tokens"])
     res = {
         "drafter": name,
+        "chain_chunk": chunk,
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "dtype": "bf16 autocast" if amp else "fp32",
         "hidden": arch.hidden_size,
@@ -214,16 +218,23 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--fp32", action="store_true", help="no bf16 autocast on CUDA")
     p.add_argument("--count-executed", action="store_true", help="also count executed FLOPs (one extra step)")
     p.add_argument("--profile", action="store_true", help="GPU kernel time by kind (one extra step, CUDA only)")
+    p.add_argument("--chain-chunks", default="0",
+                   help="comma-separated drafter.ttt_chain_chunk values to time in turn (0 = the dense mask)")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     names = ["smollm2", "kimi"] if args.model == "all" else [args.model]
-    results = [run(n, args) for n in names]
+    results = []
+    for n in names:
+        for c in [int(x) for x in str(args.chain_chunks).split(",") if x.strip()]:
+            args.chain_chunk = c
+            results.append(run(n, args))
     print(f"\n| drafter | device | dtype | tokens/step | step s | tokens/s | model TFLOP/step | TFLOP/s | MFU "
           f"(peak {args.peak_tflops:g}) | peak mem GB |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         mem = f"{r['peak_memory_gb']:.1f}" if r["peak_memory_gb"] is not None else "-"
-        print(f"| {r['drafter']} (H={r['hidden']}, Vd={r['draft_vocab']}, TTT {r['ttt_steps']}) | {r['device']} | "
+        chunked = f", chunks of {r['chain_chunk']}" if r["chain_chunk"] else ""
+        print(f"| {r['drafter']} (H={r['hidden']}, Vd={r['draft_vocab']}, TTT {r['ttt_steps']}{chunked}) | {r['device']} | "
               f"{r['dtype']} | {r['tokens_per_step']} | {r['step_s']:.3f} | {r['tokens_per_s']:.0f} | "
               f"{r['model_tflops_per_step']:.2f} | {r['achieved_tflops']:.1f} | {100 * r['mfu']:.1f}% | {mem} |")
         if r["executed_tflops_per_step"]:

@@ -93,6 +93,25 @@ def test_a_time_limited_run_exports_early_and_resumes_to_the_same_drafter(tmp_pa
     assert ea.keys() == eb.keys() and all(torch.equal(ea[k], eb[k]) for k in ea)
 
 
+def test_chunked_ttt_attention_trains_the_same_drafter(tmp_path):
+    """drafter.ttt_chain_chunk: the chunked chain attention of eagle3.train.ttt.ChainMask trains
+    the drafter that the dense mask trains (float32 on CPU, up to rounding)."""
+    write_features(tmp_path / "f", n=30)
+    tgt, E = tiny_target(), embed()
+    over = {"loop.max_steps": 3}
+    train_drafter(make_cfg(tmp_path / "f", tmp_path / "a", **over), tgt, E)
+    train_drafter(make_cfg(tmp_path / "f", tmp_path / "b", **over, **{"drafter.ttt_chain_chunk": 3}), tgt, E)
+    ea = load_file(str(tmp_path / "a" / "export" / "sglang" / "model.safetensors"))
+    eb = load_file(str(tmp_path / "b" / "export" / "sglang" / "model.safetensors"))
+    assert ea.keys() == eb.keys()
+    moved = [k for k in ea if ea[k].is_floating_point() and not torch.equal(ea[k], ea[k] * 0)]
+    assert moved
+    for k in ea:  # bf16 exports: a float32 rounding difference may flip an element's last bf16 bit
+        torch.testing.assert_close(ea[k], eb[k], msg=k)
+    same = sum(int((ea[k] == eb[k]).sum()) for k in ea)
+    assert same >= 0.999 * sum(ea[k].numel() for k in ea)
+
+
 @torch.no_grad()
 def rule_hit_rate(drafter, samples) -> float:
     """Share of positions whose first draft (TTT step 0, as a server drafts after a

@@ -50,6 +50,8 @@ def _bad_setting(cfg: Any) -> Optional[str]:
         ("loop.tracker", lp.tracker, lp.tracker in ("tensorboard", "none"), "must be tensorboard or none"),
         ("drafter.ttt_steps", d.ttt_steps, d.ttt_steps >= 1, "must be >= 1"),
         ("drafter.step_weight", d.step_weight, d.step_weight > 0, "must be > 0"),
+        ("drafter.ttt_chain_chunk", d.ttt_chain_chunk, d.ttt_chain_chunk is None or d.ttt_chain_chunk >= 1,
+         "must be >= 1 (chain rows per attention chunk) or null"),
         ("drafter.lm_head_init", d.lm_head_init, d.lm_head_init in ("random", "target"), "must be random or target"),
         ("drafter.num_layers", d.num_layers, d.num_layers >= 1, "must be >= 1"),
     ]

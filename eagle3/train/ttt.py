@@ -435,15 +435,16 @@ class TTTModel(nn.Module):
     """Wraps a drafter so that one ``forward(batch)`` is the whole TTT unroll
     (what Accelerate prepares: autocast and, with several processes, DDP apply)."""
 
-    def __init__(self, drafter: Eagle3Drafter, ttt_steps: int, step_weight: float):
+    def __init__(self, drafter: Eagle3Drafter, ttt_steps: int, step_weight: float, chain_chunk: int | None = None):
         super().__init__()
         self.drafter = drafter
         self.ttt_steps = ttt_steps
         self.step_weight = step_weight
+        self.chain_chunk = chain_chunk
 
     def forward(self, batch: dict) -> TTTOutput:
         """:func:`ttt_forward` of the wrapped drafter over a collated batch."""
-        return ttt_forward(self.drafter, batch, self.ttt_steps, self.step_weight)
+        return ttt_forward(self.drafter, batch, self.ttt_steps, self.step_weight, chain_chunk=self.chain_chunk)
 
 
 def summarize(step_stats: torch.Tensor, accepted: float, num_chains: int, step_weight: float) -> dict:
