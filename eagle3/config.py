@@ -213,7 +213,7 @@ class DrafterConfig:
     lm_head_init: str = "random"  # random | target
     ttt_steps: int = 7
     step_weight: float = 0.8  # loss weight of TTT step j is step_weight**j
-    # TTT steps >= 1 attend per chunk of this many chain rows (eagle3.train.ttt.ChainMask:
+    # TTT steps >= 1 attend per chunk of this many chain rows (eagle3.train.ttt_attention.ChainMask:
     # the same result, fewer keys computed); null = one dense mask per step
     ttt_chain_chunk: Optional[int] = None
 

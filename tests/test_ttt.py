@@ -287,7 +287,7 @@ def test_chunked_chain_attention_equals_the_dense_mask():
 
 
 def test_chain_mask_chunk_ends_are_the_largest_prefix_in_each_chunk():
-    from eagle3.train.ttt import ChainMask
+    from eagle3.train.ttt_attention import ChainMask
 
     rows = torch.tensor([[2, 3, 7, 8, 9], [1, 5, 6, 0, 0]])  # sample 1 has 3 chain rows, then padding
     cm = ChainMask.create(rows, T=12, chunk=2)

@@ -136,7 +136,7 @@ class DrafterAttention(nn.Module):
         """``x [B, T, in_features]`` -> ``[B, T, H]``; ``cos``/``sin`` ``[B, T, head_dim]``;
         ``attention_mask`` as in :meth:`Eagle3Drafter.forward` (None = causal over cache + new rows;
         an object with an ``attend(q, k, v, rep)`` method, such as the training-time test's
-        :class:`eagle3.train.ttt.ChainMask`, computes the attention itself from the un-repeated
+        :class:`eagle3.train.ttt_attention.ChainMask`, computes the attention itself from the un-repeated
         ``[B, kv, S, d]`` keys and values); ``past_key_values`` is extended in place with this
         layer's keys and values."""
         B, T, _ = x.shape
@@ -313,7 +313,7 @@ class Eagle3Drafter(nn.Module):
             position_ids: ``[B, T]`` int64 rotary positions.
             attention_mask: ``None`` = causal over cache + new rows; else ``[B|1, 1, T, S]``
                 bool, True = attend, ``S`` = cached length + ``T`` (tree drafting, TTT), or
-                a structured mask that attends itself (:class:`eagle3.train.ttt.ChainMask`).
+                a structured mask that attends itself (:class:`eagle3.train.ttt_attention.ChainMask`).
             past_key_values: a ``DynamicCache`` extended in place with this call's keys
                 and values (roll back with ``crop``).
             use_cache: create a new cache when ``past_key_values`` is None.
