@@ -185,7 +185,9 @@ def _export(run: Run, final: Eagle3Drafter, meta: dict) -> dict[str, str]:
             exports["speculators"] = str(
                 export_speculators(final, run.output_dir / "export" / "speculators", meta, run.cfg.drafter.ttt_steps))
         else:
-            log.info("speculators is not installed: skipping export/speculators (pip install speculators)")
+            log.info("speculators is not installed: skipping export/speculators (on a CPU machine install it with "
+                     "pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0 pydantic-settings python-dotenv; "
+                     "a plain install pulls a CUDA torch)")
     return exports
 
 
