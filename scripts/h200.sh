@@ -78,7 +78,7 @@ for stage in $STAGES; do
       $TRAIN_OVERRIDES 2>&1 | tee "$RUN/train.log"
     ;;
   bench_train)
-    python benchmarks/train_throughput.py --device cuda --iters 5 --json "$RUN/bench_train.json" 2>&1 | tee "$RUN/bench_train.log"
+    python benchmarks/train_throughput.py --device cuda --iters 5 --chain-chunks 0,128,256 --json "$RUN/bench_train.json" 2>&1 | tee "$RUN/bench_train.log"
     ;;
   evaluate)
     python evaluate.py engine.device=cuda data.names="[$benches]" data.limit="$EVAL_PROMPTS" \
