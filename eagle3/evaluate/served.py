@@ -221,14 +221,12 @@ def _measure_in_turn(cfg, export_meta, out_dir, tokenizer, rows, concurrency, sa
         server = _open_checked(role, cfg, out_dir, export_meta, concurrency, descs, warnings)
         try:
             limit, why = _limit(cfg, [descs[role]])
-            role_rows = fitting_rows(rows, tokenizer, limit, why, [])
+            own: list[str] = []
+            role_rows = fitting_rows(rows, tokenizer, limit, why, own)
             cuts: dict[str, set] = {}
             runs[role] = sweep_server(server.client, tokenizer, role_rows, concurrency, sampling,
                                       int(cfg.warmup_prompts), role, limit, cuts)
-            skipped = {n: len(rs) - len(role_rows.get(n, [])) for n, rs in rows.items()}
-            warnings += [f"{role} server: {n}: {k} prompts longer than {limit} tokens ({why}) were skipped"
-                         for n, k in skipped.items() if k]
-            warnings += [f"{role} server: {w}" for w in _cut_warnings(cuts, limit, why)]
+            warnings += [f"{role} server: {w}" for w in own + _cut_warnings(cuts, limit, why)]
             if role == "speculative":
                 warnings += _missing_counters(runs[role], server, descs[role])
         finally:
