@@ -47,8 +47,8 @@ class GraphedCall:
             (its memory pool with it) before capturing another; None = keep every graph.
 
     Attributes:
-        captures: keys captured so far (a key's capture costs ``warmup + 1`` eager runs
-            and the recording).
+        captures: keys of the graphs held, least recently used first (a key's capture
+            costs ``warmup + 1`` eager runs and the recording).
     """
 
     def __init__(self, fn: Callable[..., tuple[torch.Tensor, ...]], enabled: bool, warmup: int = 2,
