@@ -23,12 +23,12 @@ class HFEngineConfig:
     generate_batch_size: Optional[int] = None  # prompts per batched generate call
     capture_batch_size: Optional[int] = None  # sequences per batched capture forward
     max_batch_tokens: Optional[int] = None  # padded tokens per capture forward (caps memory)
-    # Generation KV cache: static = transformers' StaticCache, decode step compiled with CUDA
-    # graphs on CUDA; dynamic = DynamicCache, eager; auto = dynamic: on real extraction (varied
-    # prompt lengths, several workers compiling on shared CPU cores) static measured 2.7x slower
-    # on one H200 (docs/performance.md); it wins only at fixed shapes (benchmarks/regenerate_speed.py).
-    # graphs = this project's batched decoder (eagle3.engines.hf.batch_decode): a preallocated
-    # cache and the decode step replayed from one CUDA graph per batch shape, no compilation.
+    # Generation KV cache: graphs = this project's batched decoder (eagle3.engines.hf.batch_decode):
+    # a preallocated cache and the decode step replayed from one CUDA graph per batch shape, no
+    # compilation (CUDA only); dynamic = DynamicCache, eager; static = transformers' StaticCache,
+    # decode step compiled: it wins only at fixed shapes and was 1.9-2.7x slower on real extraction
+    # (a compilation per prompt width). auto = graphs on CUDA (1.87x eager at batch 256 on one H200,
+    # 0.56x compiled static; docs/performance.md), dynamic on CPU.
     generate_cache: str = "auto"
     # Evaluation's batch-1 decoding (baseline and speculative): static = preallocated KV caches
     # for target and drafter (eagle3.spec.slots), forwards replayed from CUDA graphs on CUDA

@@ -14,7 +14,9 @@
 # question.jsonl, adds that benchmark), FEAT (features folder, default $RUN/features: several
 # runs can train on one extraction), TRAIN_OVERRIDES (extra train.py overrides, e.g.
 # "drafter.lm_head_init=target") and GENERATE_CACHE (the extractions' engine.generate_cache:
-# auto, or graphs for the batched CUDA-graph decoder; bench_regen times both).
+# auto = the batched CUDA-graph decoder on CUDA, dynamic = the eager path; bench_regen times both).
+# Run trainings one at a time: three sharing one H200 ran at 2.4 steps/s each against 12-14.5
+# alone (docs/results.md, 2026-12-04).
 # bench_regen (not in the default STAGES): benchmarks/regenerate_speed.py at batch 256. extract_gsm8k regenerates the train and validation splits that
 # extraction carves out of GSM8K's test set (1,259 of its 1,319 questions; there is no GSM8K train
 # set offline) into $RUN/features-gsm8k; train then reads both folders when that extraction

@@ -253,6 +253,16 @@ def test_engine_generate_cache_setting_is_checked():
                           device=torch.device("cpu"))
 
 
+@pytest.mark.parametrize("cache,device,path", [
+    ("auto", "cuda", "graphs"), ("auto", "cpu", "dynamic"), (None, "cuda", "graphs"), (None, "cpu", "dynamic"),
+    ("dynamic", "cuda", "dynamic"), ("static", "cpu", "static"), ("graphs", "cuda", "graphs"),
+])
+def test_generation_path_auto_is_graphs_on_cuda_and_dynamic_elsewhere(cache, device, path):
+    from eagle3.engines.hf.engine import generation_path
+
+    assert generation_path(cache, device) == path
+
+
 # ------------------------------------------------------------------------- CUDA graphs
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("steps,topk,ndt", [(3, 1, 4), (3, 2, 6)])
