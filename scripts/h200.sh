@@ -15,8 +15,10 @@
 # runs can train on one extraction), TRAIN_OVERRIDES (extra train.py overrides, e.g.
 # "drafter.lm_head_init=target") and GENERATE_CACHE (the extractions' engine.generate_cache:
 # auto = the batched CUDA-graph decoder on CUDA, dynamic = the eager path; bench_regen times both).
-# Run trainings one at a time: three sharing one H200 ran at 2.4 steps/s each against 12-14.5
-# alone (docs/results.md, 2026-12-04).
+# sweep (not in the default STAGES): SWEEP's Hydra multirun overrides (default: the drafter's
+# FFN width, 1536 and 6144), trained one recipe at a time, each evaluated; run trainings one
+# at a time: three sharing one H200 ran at 2.4 steps/s each against 12-14.5 alone
+# (docs/results.md, 2026-12-04). With a time budget: TRAIN_OVERRIDES="loop.time_limit_min=6".
 # bench_regen (not in the default STAGES): benchmarks/regenerate_speed.py at batch 256. extract_gsm8k regenerates the train and validation splits that
 # extraction carves out of GSM8K's test set (1,259 of its 1,319 questions; there is no GSM8K train
 # set offline) into $RUN/features-gsm8k; train then reads both folders when that extraction
@@ -42,6 +44,7 @@ STAGES=${STAGES:-"extract extract_gsm8k train bench_train evaluate timing bench_
 FEAT=${FEAT:-$RUN/features}
 TRAIN_OVERRIDES=${TRAIN_OVERRIDES:-}
 SAMPLED_TEMPERATURE=${SAMPLED_TEMPERATURE:-0.7}
+SWEEP=${SWEEP:-"drafter.intermediate_size=1536,6144"}
 GENERATE_CACHE=${GENERATE_CACHE:-auto}
 DRAFTER=$RUN/drafter
 mkdir -p "$RUN"
@@ -50,6 +53,13 @@ export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=10
 stamp() { echo "[$(date +%H:%M:%S)] $*"; }
 same_gpu() { python -c "import sys; print('[' + ','.join(['cuda:0'] * int(sys.argv[1])) + ']')" "$1"; }
 benches="gsm8k,humaneval,sharegpt${MTBENCH:+,mtbench}"
+features() {  # $FEAT plus the GSM8K and sampled extractions where they finished
+  local f="$FEAT" extra
+  for extra in features-gsm8k features-sampled; do
+    grep -qs '"complete": true' "$RUN/$extra/manifest.json" && f="$f,$RUN/$extra"
+  done
+  echo "$f"
+}
 mt=(); [ -n "${MTBENCH:-}" ] && mt=(data.mtbench_path="$MTBENCH")
 
 for stage in $STAGES; do
@@ -72,12 +82,17 @@ for stage in $STAGES; do
       engine.max_batch_tokens=32768 parallel.workers="$EXTRACT_WORKERS" parallel.devices="$(same_gpu "$EXTRACT_WORKERS")" 2>&1 | tee "$RUN/extract-sampled.log"
     ;;
   train)
-    feats="$FEAT"
-    for extra in features-gsm8k features-sampled; do
-      grep -qs '"complete": true' "$RUN/$extra/manifest.json" && feats="$feats,$RUN/$extra"
-    done
-    python train.py experiment=h200 loop.epochs="$EPOCHS" features_dir="'$feats'" output_dir="$DRAFTER" \
+    python train.py experiment=h200 loop.epochs="$EPOCHS" features_dir="'$(features)'" output_dir="$DRAFTER" \
       $TRAIN_OVERRIDES 2>&1 | tee "$RUN/train.log"
+    ;;
+  sweep)  # Hydra multirun: one recipe at a time into $RUN/sweep/<n>, each then evaluated like `evaluate`
+    python train.py -m experiment=h200 loop.epochs="$EPOCHS" features_dir="'$(features)'" output_dir="$RUN/sweep" \
+      $TRAIN_OVERRIDES $SWEEP 2>&1 | tee "$RUN/sweep.log"
+    for job in "$RUN"/sweep/[0-9]*; do
+      python evaluate.py engine.device=cuda data.names="[$benches]" data.limit="$EVAL_PROMPTS" \
+        max_new_tokens="$EVAL_MAX_NEW_TOKENS" drafter_dir="$job/export/sglang" output_dir="$job/eval" \
+        workers="$EVAL_WORKERS" devices="$(same_gpu "$EVAL_WORKERS")" "${mt[@]}" 2>&1 | tee "$job/evaluate.log"
+    done
     ;;
   bench_train)
     python benchmarks/train_throughput.py --device cuda --iters 5 --chain-chunks 0,128,256 --json "$RUN/bench_train.json" 2>&1 | tee "$RUN/bench_train.log"
