@@ -368,6 +368,48 @@ def test_paired_speedup_and_its_bootstrap_interval_by_hand():
     assert r["speedup"] == pytest.approx(0.5) and r["interval"] is None and r["significant"] is None
 
 
+def test_tau_interval_over_prompts_by_hand_and_against_a_plain_bootstrap():
+    import numpy as np
+
+    from eagle3.evaluate.served_measures import pooled_ratio_interval
+
+    # every prompt at tau 3: every resample gives 3
+    assert pooled_ratio_interval([[30, 10], [60, 20]], resamples=300) == pytest.approx([3.0, 3.0])
+    # two prompts at tau 1 and 4 with equal passes: resamples are {1}, {4} or both (pooled 2.5)
+    assert pooled_ratio_interval([[10, 10], [40, 10]], resamples=4000) == pytest.approx([1.0, 4.0])
+    # fewer than two prompts, or no verify pass at all: no interval
+    assert pooled_ratio_interval([[30, 10]]) is None and pooled_ratio_interval([[0, 0], [0, 0]]) is None
+    # the same as a bootstrap written out loop by loop, with the same draws
+    rng = np.random.default_rng(7)
+    rows = np.column_stack([rng.integers(50, 300, 25), rng.integers(20, 100, 25)]).astype(float)
+    draws = np.random.default_rng(11).integers(0, 25, size=(1000, 25))
+    ref = [rows[d, 0].sum() / rows[d, 1].sum() for d in draws]
+    want = [float(np.quantile(ref, 0.025)), float(np.quantile(ref, 0.975))]
+    got = pooled_ratio_interval(rows, resamples=1000, seed=11)
+    assert got == pytest.approx(want)
+    point = rows[:, 0].sum() / rows[:, 1].sum()
+    assert got[0] < point < got[1]
+
+
+def test_inprocess_summary_gives_tau_an_interval_over_prompts():
+    from eagle3.evaluate.records import TurnRecord, summarize_benchmark
+    from eagle3.spec import SpecSettings
+
+    def rec(sid, turn, emitted, passes):
+        # accept counts: emitted - passes accepted drafts spread over the passes (num_steps 3)
+        acc = [min(3, max(0, emitted - passes - 3 * i)) for i in range(passes)]
+        toks = list(range(emitted + 1))  # the prefill token and the emitted ones
+        return TurnRecord("b", sid, turn, 10, toks, toks, 1.0, 2.0, 0.1, 0.1, passes, emitted, acc)
+
+    st = SpecSettings(num_steps=3, topk=1, num_draft_tokens=4)
+    # prompt a: two turns (tau 2 and 4, pooled 3); prompt b: tau 1. Resamples: a,a -> 3; b,b -> 1; a,b -> 2
+    out = summarize_benchmark([rec("a", 0, 10, 5), rec("a", 1, 20, 5), rec("b", 0, 10, 10)], st)
+    assert out["acceptance_length"] == pytest.approx(40 / 20)
+    assert out["acceptance_length_interval"] == pytest.approx([1.0, 3.0])
+    one = summarize_benchmark([rec("a", 0, 10, 5)], st)
+    assert one["acceptance_length_interval"] is None
+
+
 def test_lossless_check_names_the_first_differing_position():
     from eagle3.evaluate.served_measures import lossless_check
 

@@ -241,6 +241,8 @@ def test_pair_summary_tau_and_speedup_from_hand_computed_counters():
              _pair("b", _c(range(10), lat=2.0), _c(range(10), lat=2.0), drafts=6, acc=3, per=[2, 1, 0])]
     s = pair_summary(pairs, depth=3, seed=0)
     assert s["acceptance_length"] == pytest.approx(1 + 8 / 10)
+    # tau over prompts: a alone 1 + 5/4, b alone 1 + 3/6 (each a quarter of the resamples), both 1.8
+    assert s["acceptance_length_interval"] == pytest.approx([1.5, 2.25])
     assert s["acceptance_rate"] == pytest.approx(8 / 30)
     assert s["per_position_acceptance"] == pytest.approx([5 / 10, 3 / 10, 0.0])
     assert s["speedup_per_prompt"] == pytest.approx([2.0, 1.0])

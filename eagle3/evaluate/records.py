@@ -85,6 +85,7 @@ def summarize_benchmark(recs: Sequence[TurnRecord], settings: SpecSettings) -> d
     out["tokens_per_s_base"] = tokens_per_second(base_tok, sum(r.base_seconds for r in recs))
     out["speedup"] = ratio(out["tokens_per_s_spec"], out["tokens_per_s_base"])
     out["speedup_interval"] = _speedup_interval(recs)
+    out["acceptance_length_interval"] = _tau_interval(recs)
     # decode only: tokens after the first / time after the prefill (the prefill is the same work in both)
     out["decode_tokens_per_s_spec"] = tokens_per_second(
         spec_tok - len(recs), sum(r.spec_seconds - r.spec_prefill_seconds for r in recs))
@@ -119,6 +120,19 @@ def _speedup_interval(recs: Sequence[TurnRecord]) -> Optional[list[float]]:
         row[2] += len(r.spec_tokens)
         row[3] += r.spec_seconds
     return pooled_speedup(list(by.values()))["interval"]
+
+
+def _tau_interval(recs: Sequence[TurnRecord]) -> Optional[list[float]]:
+    """Bootstrap 95% interval over prompts of tau (emitted tokens / verify passes, each
+    prompt's turns summed); None below 2 prompts."""
+    from eagle3.evaluate.served_measures import pooled_ratio_interval
+
+    by: dict[str, list[float]] = {}
+    for r in recs:
+        row = by.setdefault(r.sample_id, [0.0, 0.0])
+        row[0] += r.emitted
+        row[1] += r.verify_passes
+    return pooled_ratio_interval(list(by.values()))
 
 
 def _lossless(recs: Sequence[TurnRecord], prompts: set[str], greedy: bool) -> dict:

@@ -116,6 +116,14 @@ def _speedup(b: dict) -> str:
     return f"{mark}{b['speedup']:.2f} [{iv[0]:.2f}, {iv[1]:.2f}]"
 
 
+def _tau(b: dict) -> str:
+    """``2.42 [2.31, 2.56]``: tau and its bootstrap 95% interval over prompts, where known."""
+    iv = b.get("acceptance_length_interval")
+    if b.get("acceptance_length") is None or not iv:
+        return _f(b.get("acceptance_length"))
+    return f"{b['acceptance_length']:.2f} [{iv[0]:.2f}, {iv[1]:.2f}]"
+
+
 def tau_table(results: dict) -> str:
     """The console table: one row per benchmark."""
     head = ["benchmark", "prompts", "tau", "accept", "tok/s spec", "tok/s base", "speed-up", "lossless", "verdict"]
@@ -123,7 +131,7 @@ def tau_table(results: dict) -> str:
     for name, b in (results.get("benchmarks") or {}).items():
         lossless = _lossless(b)
         rows.append([
-            name, _f(b.get("num_prompts")), _f(b.get("acceptance_length")), _f(b.get("acceptance_rate")),
+            name, _f(b.get("num_prompts")), _tau(b), _f(b.get("acceptance_rate")),
             _f(b.get("tokens_per_s_spec"), 1), _f(b.get("tokens_per_s_base"), 1), _speedup(b),
             lossless, b.get("verdict", "-"),
         ])
@@ -199,7 +207,7 @@ def render_markdown(results: dict, plots: dict[str, str]) -> str:
         d = b.get("diversity") or {}
         lossless = _lossless(b)
         rows.append([
-            name, _f(b.get("num_prompts")), _f(b.get("acceptance_length")), _f(b.get("acceptance_rate")),
+            name, _f(b.get("num_prompts")), _tau(b), _f(b.get("acceptance_rate")),
             _f(b.get("verify_passes")), _f(b.get("generated_tokens")), _f(b.get("tokens_per_s_spec"), 1),
             _f(b.get("tokens_per_s_base"), 1), _speedup(b), _f(b.get("decode_speedup")), lossless,
             b.get("verdict", "-"),
@@ -207,7 +215,8 @@ def render_markdown(results: dict, plots: dict[str, str]) -> str:
     out.append(_md_table(
         ["benchmark", "prompts", "tau", "acceptance rate", "verify passes", "generated tokens",
          "tok/s spec", "tok/s base", "speed-up", "decode speed-up", "lossless", "verdict"], rows))
-    out.append("tok/s and speed-up: generated tokens over wall time including the prefill, batch 1; "
+    out.append("tau [lo, hi]: the bootstrap 95% interval over prompts (a prompt's turns resampled together). "
+               "tok/s and speed-up: generated tokens over wall time including the prefill, batch 1; "
                "decode speed-up leaves the prefill out. lossless: prompts whose speculative tokens equal the "
                "target's own greedy tokens (+ prompts that first differ at a rounding tie of the top two logits).\n")
     if any(b.get("speedup_interval") for b in benches.values()):

@@ -210,6 +210,35 @@ def pooled_speedup(a, resamples: int = 2000, level: float = 0.95, seed: int = 0)
     return out
 
 
+def pooled_ratio_interval(rows, resamples: int = 2000, level: float = 0.95,
+                          seed: int = 0) -> Optional[list[float]]:
+    """Percentile bootstrap interval over prompts of a pooled ratio ``sum(num) / sum(den)``.
+
+    Used for tau (acceptance length): each row is one prompt's emitted tokens and verify
+    passes (in-process, SGLang's ``completion_tokens`` / ``spec_verify_ct``) or its
+    ``drafts + accepted`` and ``drafts`` (vLLM's counters), summed over the prompt's turns,
+    so a multi-turn prompt is one draw. Prompts are resampled with replacement
+    (numpy generator seeded with ``seed``), as :func:`pooled_speedup` does.
+
+    Args:
+        rows: ``[n, 2]`` per-prompt (numerator, denominator), non-negative.
+        resamples: bootstrap draws; level: two-sided coverage (0.95 = 95%).
+
+    Returns:
+        ``[lo, hi]``, or None with fewer than 2 prompts or a zero total denominator.
+    """
+    import numpy as np
+
+    a = np.asarray(rows, dtype=np.float64).reshape(-1, 2)
+    if a.shape[0] < 2 or a[:, 1].sum() <= 0:
+        return None
+    idx = np.random.default_rng(seed).integers(0, a.shape[0], size=(int(resamples), a.shape[0]))
+    s = a[idx].sum(axis=1)  # [resamples, 2]
+    ok = s[:, 1] > 0
+    lo, hi = np.quantile(s[ok, 0] / s[ok, 1], [(1 - level) / 2, (1 + level) / 2])
+    return [float(lo), float(hi)]
+
+
 def lossless_check(pairs: Pairs) -> dict:
     """Whether the speculative server's greedy output equals the baseline's, per prompt.
 

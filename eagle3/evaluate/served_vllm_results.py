@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 from eagle3.engines.vllm import SpecCounters
 from eagle3.evaluate.metrics import diversity, ratio, verdict
-from eagle3.evaluate.served_measures import percentiles_ms
+from eagle3.evaluate.served_measures import percentiles_ms, pooled_ratio_interval
 from eagle3.evaluate.served_vllm_measure import ROLES, Pair, SweepRun
 
 BOOTSTRAP_RESAMPLES = 2000
@@ -94,6 +94,17 @@ def lossless(pairs: list[Pair]) -> tuple[int, int, Optional[dict]]:
     return sum(ok.values()), len(ok), first
 
 
+def _tau_interval(pairs: list[Pair]) -> Optional[list[float]]:
+    """Bootstrap 95% interval over prompts of the served tau, 1 + accepted / verify passes
+    from each request's ``/metrics`` deltas (a prompt's turns summed)."""
+    by: dict[str, list[float]] = {}
+    for p in pairs:
+        row = by.setdefault(p.sample_id, [0.0, 0.0])
+        row[0] += p.counters.drafts + p.counters.accepted
+        row[1] += p.counters.drafts
+    return pooled_ratio_interval(list(by.values()))
+
+
 def _counters(pairs: list[Pair]) -> SpecCounters:
     total = SpecCounters()
     for p in pairs:
@@ -115,6 +126,7 @@ def pair_summary(pairs: list[Pair], depth: int, seed: int) -> dict:
     return {
         "num_prompts": len(by), "num_turns": len(pairs), "requests": len(pairs),
         "acceptance_length": cnt.tau, "acceptance_rate": cnt.acceptance_rate,
+        "acceptance_length_interval": _tau_interval(pairs),
         "verify_passes": int(cnt.drafts), "accepted_drafts": int(cnt.accepted), "proposed_drafts": int(cnt.draft_tokens),
         "per_position_acceptance": cnt.per_position_acceptance(depth),
         "accepted_per_position": [int(v) for v in cnt.per_position],
