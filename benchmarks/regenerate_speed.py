@@ -13,7 +13,9 @@ compiles with CUDA graphs on CUDA: the fastest plain library path), ``engine`` (
 engine's own call: :func:`eagle3.engines.hf.engine.generation_config` and
 :func:`~eagle3.engines.hf.engine.left_pad` with the device's default cache), ``graphs``
 (:class:`eagle3.engines.hf.batch_decode.BatchDecoder`, ``engine.generate_cache=graphs``:
-the decode step replayed from a CUDA graph, nothing compiled). The first
+the decode step replayed from a CUDA graph, nothing compiled) and, with ``--compile-layers``,
+``graphs_compiled`` (the same on a copy of the target whose decoder layers are compiled:
+``engine.compile_layers=true``, :mod:`eagle3.spec.compiled`). The first
 repeat compiles and is not reported. Prints generated tokens/s (median over repeats,
 min-max), the ratio to ``hf_static`` and how many rows equal ``hf_eager``'s.
 """
@@ -48,6 +50,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=4, help="including the first (warm-up) repeat")
+    ap.add_argument("--json", default=None, help="write the printed figures to this file")
+    ap.add_argument("--compile-layers", action="store_true",
+                    help="also graphs_compiled: the graphs decoder on a copy with inductor-compiled layers")
     a = ap.parse_args(argv)
     device = torch.device("cuda" if a.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if a.device == "auto" else a.device))
@@ -83,6 +88,23 @@ def main(argv=None) -> dict:
 
     methods = {"hf_eager": lambda: call(False, 1), "hf_static": lambda: call(True, 1),
                "engine": lambda: call(engine_static, STATIC_WIDTH_MULTIPLE if engine_static else 1), "graphs": graphs}
+    if a.compile_layers:  # the same decoder on a copy of the target whose layers are compiled
+        import copy
+
+        from eagle3.spec.compiled import compile_decoder_layers
+
+        twin = copy.deepcopy(model)
+        compile_decoder_layers(twin)
+        compiled_decoder = BatchDecoder(twin, capacity=decoder.cache.capacity)
+
+        def graphs_compiled():
+            synchronize(device)
+            t = time.perf_counter()
+            rows = compiled_decoder.generate(seqs, N, stop_ids=[], pad_id=0)
+            synchronize(device)
+            return torch.tensor(rows), B * N / (time.perf_counter() - t)
+
+        methods["graphs_compiled"] = graphs_compiled
     names = list(methods)
     rates: dict[str, list[float]] = {m: [] for m in names}
     tokens: dict[str, torch.Tensor] = {}
@@ -106,6 +128,10 @@ def main(argv=None) -> dict:
                              "ratio_to_hf_static": med / ref, "rows_equal_to_hf_eager": same}
         print(f"  {m:10s} {med:10.1f} tok/s  (min {min(rates[m]):.1f}, max {max(rates[m]):.1f})  "
               f"x{med / ref:.2f} of hf_static  rows equal to hf_eager {same}/{B}")
+    if a.json:
+        import json
+
+        Path(a.json).write_text(json.dumps(out, indent=2))
     return out
 
 

@@ -117,7 +117,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--draft-tokens", type=int, default=4)
     ap.add_argument("--methods", default="hf_eager,hf_static,base_dynamic,base_static,spec_dynamic,spec_static,"
                                           "forced_dynamic,forced_static",
-                    help="also base_static_fullspan, spec_static_fullspan, forced_static_fullspan")
+                    help="also base_static_fullspan, spec_static_fullspan, forced_static_fullspan and, with "
+                         "--compile-layers, base_static_compiled, spec_static_compiled, forced_static_compiled")
+    ap.add_argument("--compile-layers", action="store_true",
+                    help="build the *_compiled methods: static caches (and graphs) on copies of the target and the "
+                         "drafter whose decoder layers are inductor-compiled (engine.compile_layers=true)")
     ap.add_argument("--no-graphs", action="store_true", help="static caches without CUDA graphs")
     ap.add_argument("--cache-slots", type=int, default=None,
                     help="KV slots of the static caches (default: what the prompt, new tokens and one round "
@@ -150,6 +154,18 @@ def main(argv=None) -> dict:
     dyn_prop = Eagle3Proposer(drafter, aux)
     sta_prop = StaticEagle3Proposer(drafter, aux, max_len=max_len, cuda_graphs=graphs, min_span=args.min_span)
     full_prop = StaticEagle3Proposer(drafter, aux, max_len=max_len, cuda_graphs=graphs, min_span=None)
+    comp_runner = comp_prop = None
+    if args.compile_layers:
+        import copy
+
+        from eagle3.spec.compiled import compile_decoder_layers
+
+        twin = copy.deepcopy(target)
+        compile_decoder_layers(twin)
+        comp_runner = StaticTargetRunner(twin, aux, max_len=max_len, cuda_graphs=graphs, min_span=args.min_span)
+        twin_drafter = copy.deepcopy(drafter)
+        compile_decoder_layers(twin_drafter)
+        comp_prop = StaticEagle3Proposer(twin_drafter, aux, max_len=max_len, cuda_graphs=graphs, min_span=args.min_span)
 
     def hf(p, static):
         from transformers import GenerationConfig
@@ -187,6 +203,12 @@ def main(argv=None) -> dict:
         "spec_static_fullspan": lambda i: spec(full_runner, full_prop, i, False),
         "forced_static_fullspan": lambda i: spec(full_runner, full_prop, i, True),
     }
+    if comp_runner is not None:
+        table.update({
+            "base_static_compiled": lambda i: plain(comp_runner, prompts[i]),
+            "spec_static_compiled": lambda i: spec(comp_runner, comp_prop, i, False),
+            "forced_static_compiled": lambda i: spec(comp_runner, comp_prop, i, True),
+        })
     methods = [m for m in args.methods.split(",") if m]
     unknown = [m for m in methods if m not in table]
     if unknown:
@@ -215,7 +237,8 @@ def main(argv=None) -> dict:
         xs = runs.get(name) or []
         return statistics.median((x["seconds"] - x["prefill"]) / (new - 1) * 1e3 for x in xs) if xs else None
 
-    steps_ms = {"": base_step_ms("base_static"), "_fullspan": base_step_ms("base_static_fullspan")}
+    steps_ms = {"": base_step_ms("base_static"), "_fullspan": base_step_ms("base_static_fullspan"),
+                "_compiled": base_step_ms("base_static_compiled")}
     ref_runs = {(x["repeat"], x["prompt"]): x for x in runs.get("hf_static", [])}
     for m, xs in runs.items():
         if not xs:
@@ -227,7 +250,7 @@ def main(argv=None) -> dict:
         if "passes" in xs[0]:
             row["tau"] = sum(x["emitted"] for x in xs) / sum(x["passes"] for x in xs)
             row["round_ms"] = statistics.median((x["seconds"] - x["prefill"]) / x["passes"] * 1e3 for x in xs)
-            step_ms = steps_ms["_fullspan" if m.endswith("_fullspan") else ""]  # the same caches' decode step
+            step_ms = steps_ms[next((k for k in ("_fullspan", "_compiled") if m.endswith(k)), "")]  # same path's step
             if step_ms:
                 row["round_in_base_steps"] = row["round_ms"] / step_ms
         elif "prefill" in xs[0]:

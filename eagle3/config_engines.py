@@ -35,6 +35,11 @@ class HFEngineConfig:
     # when cuda_graphs; dynamic = DynamicCache, eager; auto = static on CUDA, dynamic on CPU.
     decode_cache: str = "auto"
     cuda_graphs: bool = True
+    # Compile the decoder layers of the target (and, in evaluation, of the drafter) with inductor
+    # (torch.compile, dynamic shapes: one compilation for every layer and batch shape;
+    # eagle3.spec.compiled) so the CUDA graphs of regeneration, capture and evaluation's decoding
+    # replay fused kernels. CUDA only (ignored on CPU).
+    compile_layers: bool = False
 
 
 @dataclass

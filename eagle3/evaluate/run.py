@@ -169,6 +169,11 @@ def _load_in_process(cfg, meta: dict, manifest: Optional[dict], warnings: list[s
     if w:
         warnings.append(w)
     drafter, meta = load_sglang_export(drafter_dir, embed_tokens=model.get_input_embeddings().weight, device=device)
+    if device.type == "cuda" and bool(getattr(cfg.engine, "compile_layers", False)):
+        from eagle3.spec.compiled import compile_decoder_layers
+
+        compile_decoder_layers(model)  # the baseline and the verify pass alike
+        compile_decoder_layers(drafter)
     aux = check_drafter_fits(drafter.arch, meta, info, drafter_dir)
     return _Loaded(model, tokenizer, info, device, drafter, aux)
 
@@ -242,12 +247,15 @@ def _evaluate_in_process(cfg, settings: SpecSettings, meta: dict, names: list[st
 
 def decoding_path(decoder) -> str:
     """How the in-process decodings ran: ``static KV caches + CUDA graphs``, ``static KV caches``
-    or ``dynamic KV caches`` (the report's ``settings.decoding``)."""
+    or ``dynamic KV caches``, with `` + compiled layers`` when the target's layers are compiled
+    (``engine.compile_layers``; the report's ``settings.decoding``)."""
     from eagle3.spec import StaticTargetRunner
+    from eagle3.spec.compiled import layers_compiled
 
+    tail = " + compiled layers" if layers_compiled(decoder.runner.model) else ""
     if not isinstance(decoder.runner, StaticTargetRunner):
-        return "dynamic KV caches"
-    return "static KV caches + CUDA graphs" if decoder.runner.cuda_graphs else "static KV caches"
+        return "dynamic KV caches" + tail
+    return ("static KV caches + CUDA graphs" if decoder.runner.cuda_graphs else "static KV caches") + tail
 
 
 def _in_process_settings(cfg, t: _Loaded, resumed: list[str]) -> dict:

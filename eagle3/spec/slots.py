@@ -137,6 +137,7 @@ class SlotCache:
             )
 
     # --- what transformers' decoder layers and the drafter's attention call -------------
+    @torch.compiler.disable  # stays eager inside compiled layers (eagle3.spec.compiled)
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                cache_kwargs: Optional[dict] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``[1, kv, n, d]`` keys and values at the current slots; return views of the

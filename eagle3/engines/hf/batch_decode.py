@@ -99,6 +99,7 @@ class FlatSlotCache:
         """Make the next forward write its ``n`` new positions (every row alike) at ``slots [n]``."""
         self.slots = slots
 
+    @torch.compiler.disable  # stays eager inside compiled layers (eagle3.spec.compiled)
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                cache_kwargs: Optional[dict] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``[B, kv, n, d]`` keys and values at the current slots; return the whole

@@ -192,6 +192,11 @@ class HFEngine(Engine):
         n = len(self._layers)
         if n != target.num_layers:
             raise Eagle3Error(f"the loaded target has {n} layers but its config says {target.num_layers}")
+        self.compile_layers = device.type == "cuda" and bool(getattr(engine_cfg, "compile_layers", False))
+        if self.compile_layers:
+            from eagle3.spec.compiled import compile_decoder_layers
+
+            compile_decoder_layers(model)
 
     @classmethod
     def from_config(cls, model_cfg, engine_cfg, cache_dir, run_dir=None) -> "HFEngine":
@@ -213,6 +218,7 @@ class HFEngine(Engine):
             "dtype": str(next(self.model.parameters()).dtype).replace("torch.", ""),
             "attn_implementation": self.cfg.attn_implementation,
             "generate_attn": self.generate_attn,
+            "compile_layers": self.compile_layers,
             "generate_cache": "static" if self.static_generate else ("graphs" if self.graph_generate else "dynamic"),
             "torch": torch.__version__,
             "transformers": transformers.__version__,

@@ -1,0 +1,99 @@
+"""Inductor-compiled decoder layers: fused kernels inside this project's CUDA graphs.
+
+A CUDA graph (:mod:`eagle3.spec.graphs`) removes launch and Python cost but replays the
+eager kernels one by one. A transformers Llama layer launches about 35 of them per
+forward (RMSNorm alone is six: pow, mean, add, rsqrt, mul, cast; rotary, SiLU-and-multiply
+and the residual adds the rest), each a few microseconds on a tensor of ``[B, n, 576]``.
+On one H200 the batched decoder (:mod:`eagle3.engines.hf.batch_decode`) replaying those
+kernels reached 0.56x transformers' compiled static-cache ``generate`` at batch 256
+(``docs/performance.md``), which fuses them.
+
+:func:`compile_decoder_layers` compiles each decoder layer (and the final norm) with
+``torch.compile(dynamic=True)``, so that:
+
+* one compilation serves every layer: the layers share one code object, their
+  parameters are graph inputs (Dynamo's ``inline_inbuilt_nn_modules``, the default), and
+  ``layer_idx``, an ``int`` attribute Dynamo would otherwise specialise per layer, is left
+  unspecialised (``torch._dynamo.config.allow_unspec_int_on_nn_module``);
+* one compilation serves every batch shape: sizes are symbolic, so a new prompt width
+  or batch size is a guard check, not a compilation (what made transformers' static
+  cache lose on real extraction: a compilation per prompt width). Dynamo still keeps
+  separate graphs for a single new token and for several (it specialises sizes 0 and 1),
+  so there are a handful of compilations per process in all;
+* the KV-cache write stays eager: :meth:`eagle3.spec.slots.SlotCache.update` and
+  :meth:`eagle3.engines.hf.batch_decode.FlatSlotCache.update` are
+  ``torch.compiler.disable``-d (two ``index_copy_`` kernels; the layer is compiled in
+  two pieces around them), so the caches' Python lists and slot tensors are never traced.
+
+Forward hooks (the aux hidden states of :mod:`eagle3.spec.target` and of capture) run
+in ``nn.Module.__call__``, outside the compiled ``forward``, as before. The compiled
+kernels are launched like any other inside :class:`eagle3.spec.graphs.GraphedCall`'s
+warm-up runs (which is when compilation happens) and recorded by its capture.
+
+On CPU this works too (inductor's C++ backend) but is not what the project runs there
+(compilation costs more than a CPU run of the test sizes gains); ``engine.compile_layers``
+applies it on CUDA only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eagle3.errors import Eagle3Error
+
+
+def _owner(model) -> torch.nn.Module:
+    """The module holding ``layers`` (and ``norm``): the drafter itself
+    (:class:`eagle3.train.drafter.Eagle3Drafter`) or a transformers causal LM's decoder."""
+    if isinstance(getattr(model, "layers", None), torch.nn.ModuleList):
+        return model
+    base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    if not isinstance(getattr(base, "layers", None), torch.nn.ModuleList):
+        raise Eagle3Error(f"{type(model).__name__} has no decoder layers (model.model.layers or .layers) to compile; "
+                          "set engine.compile_layers=false")
+    return base
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """The ``[L]`` decoder layers of a transformers causal LM (``model.model.layers``) or of the
+    drafter (``drafter.layers``).
+
+    Raises:
+        Eagle3Error: the model has neither.
+    """
+    return _owner(model).layers
+
+
+def compile_decoder_layers(model) -> int:
+    """Compile every decoder layer of ``model`` and its final norm in place (module docstring).
+
+    Idempotent: a layer already compiled is left as it is.
+
+    Args:
+        model: a transformers causal LM (``model.model.layers``, ``model.model.norm``) or the
+            EAGLE-3 drafter (``drafter.layers``, ``drafter.norm``; its lm_head and the d2t
+            lookup stay eager).
+
+    Returns:
+        how many modules were compiled now (``L + 1`` the first time, 0 after).
+
+    Raises:
+        Eagle3Error: as :func:`decoder_layers`.
+    """
+    owner = _owner(model)
+    torch._dynamo.config.allow_unspec_int_on_nn_module = True  # layer_idx: one compilation for all layers
+    modules = list(owner.layers) + ([owner.norm] if getattr(owner, "norm", None) is not None else [])
+    n = 0
+    for m in modules:
+        if getattr(m, "_compiled_call_impl", None) is None:
+            m.compile(dynamic=True)
+            n += 1
+    return n
+
+
+def layers_compiled(model) -> bool:
+    """Whether :func:`compile_decoder_layers` has been applied to ``model``."""
+    try:
+        return all(getattr(m, "_compiled_call_impl", None) is not None for m in decoder_layers(model))
+    except Eagle3Error:
+        return False

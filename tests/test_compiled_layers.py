@@ -1,0 +1,108 @@
+"""Inductor-compiled decoder layers (eagle3.spec.compiled): the same tokens and acceptance as the
+eager layers, float32 on CPU, and one set of compilations for every batch shape and layer."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from eagle3.engines.hf.batch_decode import BatchDecoder
+from eagle3.errors import Eagle3Error
+from eagle3.evaluate.run import decoding_path
+from eagle3.spec import SpecSettings, StaticEagle3Proposer, StaticTargetRunner, build_decoder
+from eagle3.spec.compiled import compile_decoder_layers, layers_compiled
+from test_batch_decode import reference, seqs_of
+from test_spec_decode import AUX, PROMPT, greedy_reference, tiny_drafter, tiny_target
+from test_static_decode import forced_run
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """An eager target and a copy with compiled layers (same weights)."""
+    torch._dynamo.reset()
+    eager = tiny_target(layers=3)
+    compiled = copy.deepcopy(eager)
+    assert compile_decoder_layers(compiled) == 4  # 3 layers + the final norm
+    assert compile_decoder_layers(compiled) == 0  # idempotent
+    assert layers_compiled(compiled) and not layers_compiled(eager)
+    return eager, compiled
+
+
+def _frames() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def test_batched_decoding_with_compiled_layers_gives_generates_rows_and_compiles_once_per_kind(pair):
+    """Three batch shapes (rows x widths): every row equals transformers' generate on the eager
+    target; the third shape compiles nothing new (sizes are symbolic; layer_idx unspecialised)."""
+    eager, compiled = pair
+    dec = BatchDecoder(compiled, capacity=8 * 128)
+    shapes = [[7, 12, 12, 3, 9], [20, 5], [33, 2, 17, 8, 8, 30, 11]]
+    for i, lengths in enumerate(shapes):
+        seqs = seqs_of(lengths, seed=10 + i)
+        if i == 2:
+            before = _frames()
+        assert dec.generate(seqs, 9, stop_ids=[], pad_id=0) == reference(eager, seqs, 9)
+    assert _frames() == before  # no compilation for a new batch shape
+
+
+def test_speculative_decoding_with_compiled_target_layers_equals_eager(pair):
+    """Static caches, target and drafter layers compiled, the drafter fed the aux hidden states
+    that forward hooks read from compiled layers, a forced reference (rounds verify 1..4 positions): the same tokens and
+    accept counts as the eager target, and every drafter call returns the same logits."""
+    eager, compiled = pair
+    n = 40
+    ref = greedy_reference(eager, PROMPT, n)
+    s, _ = SpecSettings.make(3, 1, 4, max_new_tokens=n)
+    drafter = tiny_drafter(eager)
+    twin = copy.deepcopy(drafter)
+    assert compile_decoder_layers(twin) == 2  # its one layer + its norm
+    runs = []
+    for model, d in ((eager, drafter), (compiled, twin)):
+        runs.append(forced_run(StaticTargetRunner(model, AUX, max_len=160, min_span=8),
+                               StaticEagle3Proposer(d, AUX, max_len=160, min_span=8), ref, s))
+    (a, acalls), (b, bcalls) = runs
+    assert b.tokens == a.tokens == ref[len(PROMPT):]
+    assert b.accept_counts == a.accept_counts and max(a.accept_counts) == 3
+    assert [c[:3] for c in bcalls] == [c[:3] for c in acalls]
+    for x, y in zip(bcalls, acalls):
+        torch.testing.assert_close(x[3], y[3], atol=1e-4, rtol=1e-4)
+    dec = build_decoder(compiled, drafter, AUX, s, [], max_prompt_tokens=64, static=True)
+    assert decoding_path(dec) == "static KV caches + compiled layers"  # the report says so (no graphs on CPU)
+    assert decoding_path(build_decoder(eager, drafter, AUX, s, [], max_prompt_tokens=64)) == "dynamic KV caches"
+
+
+def test_a_model_without_decoder_layers_is_refused():
+    with pytest.raises(Eagle3Error, match="compile_layers=false"):
+        compile_decoder_layers(torch.nn.Linear(2, 2))
+
+
+def test_capture_with_compiled_layers_equals_eager(tiny_target_dir, tmp_path):
+    """The hf engine's capture (forward pre-hooks on layers and the final norm, padded batches of
+    several shapes), float32: the same aux hidden states and top-k after compiling the layers."""
+    from eagle3.config import HFEngineConfig, ModelConfig
+    from eagle3.engines import build_engine
+
+    cfg = ModelConfig(name="tiny", source=str(tiny_target_dir), aux_layer_ids=[1, 4, 8])
+    eng = build_engine(cfg, HFEngineConfig(device="cpu", capture_batch_size=2, max_batch_tokens=128),
+                       tmp_path / "cache", None)
+    try:
+        assert eng.info()["compile_layers"] is False  # CPU: the setting is ignored
+        eng.model.float()
+        seqs = seqs_of([9, 30, 14, 22, 5], seed=4)
+        eager = eng.capture(seqs, top_k=8)
+        compile_decoder_layers(eng.model)
+        got = eng.capture(seqs, top_k=8)
+        for a, b in zip(got, eager):
+            # stored as bf16: float32 results that differ in the last bits may round one bf16 step apart
+            torch.testing.assert_close(a.aux_hidden_states.float(), b.aux_hidden_states.float(), atol=1e-4, rtol=2 ** -7)
+            torch.testing.assert_close(a.topk_logprobs, b.topk_logprobs, atol=1e-4, rtol=1e-4)
+            assert (a.topk_ids[:, 0] == b.topk_ids[:, 0]).float().mean() > 0.99
+    finally:
+        eng.close()
