@@ -51,6 +51,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=4, help="including the first (warm-up) repeat")
     ap.add_argument("--json", default=None, help="write the printed figures to this file")
+    ap.add_argument("--methods", default=None,
+                    help="comma-separated subset (default: all; hf_static and hf_eager are always timed, "
+                         "the ratio's reference and the rows' reference)")
     ap.add_argument("--compile-layers", action="store_true",
                     help="also graphs_compiled: the graphs decoder on a copy with inductor-compiled layers")
     a = ap.parse_args(argv)
@@ -106,6 +109,12 @@ def main(argv=None) -> dict:
 
         methods["graphs_compiled"] = graphs_compiled
     names = list(methods)
+    if a.methods:
+        keep = {"hf_eager", "hf_static", *a.methods.split(",")}
+        unknown = keep - set(methods)
+        if unknown:
+            raise SystemExit(f"unknown --methods {sorted(unknown)}; choose from {sorted(methods)}")
+        names = [m for m in names if m in keep]
     rates: dict[str, list[float]] = {m: [] for m in names}
     tokens: dict[str, torch.Tensor] = {}
     for r in range(a.repeats):

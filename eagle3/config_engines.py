@@ -37,9 +37,11 @@ class HFEngineConfig:
     cuda_graphs: bool = True
     # Compile the decoder layers of the target (and, in evaluation, of the drafter) with inductor
     # (torch.compile, dynamic shapes: one compilation for every layer and batch shape;
-    # eagle3.spec.compiled) so the CUDA graphs of regeneration, capture and evaluation's decoding
-    # replay fused kernels. CUDA only (ignored on CPU).
-    compile_layers: bool = False
+    # eagle3.spec.compiled) so the CUDA graphs replay fused kernels. CUDA only (ignored on CPU).
+    # null = auto: on for evaluation's batch-1 decoding (one H200: plain decoding 1.41x faster,
+    # speculative 1.24x; docs/performance.md), off for extraction (its batched decoder and
+    # capture were 4-6x slower compiled: a per-layer mask kernel; see docs/performance.md).
+    compile_layers: Optional[bool] = None
 
 
 @dataclass

@@ -106,3 +106,11 @@ def test_capture_with_compiled_layers_equals_eager(tiny_target_dir, tmp_path):
             assert (a.topk_ids[:, 0] == b.topk_ids[:, 0]).float().mean() > 0.99
     finally:
         eng.close()
+
+
+def test_compile_layers_setting_resolves_by_device_and_stage():
+    from eagle3.spec.compiled import wants_compile
+
+    assert not wants_compile(True, "cpu", default=True)  # never on CPU
+    assert wants_compile(None, "cuda", default=True) and not wants_compile(None, "cuda", default=False)
+    assert wants_compile(True, "cuda", default=False) and not wants_compile(False, "cuda", default=True)

@@ -169,9 +169,10 @@ def _load_in_process(cfg, meta: dict, manifest: Optional[dict], warnings: list[s
     if w:
         warnings.append(w)
     drafter, meta = load_sglang_export(drafter_dir, embed_tokens=model.get_input_embeddings().weight, device=device)
-    if device.type == "cuda" and bool(getattr(cfg.engine, "compile_layers", False)):
-        from eagle3.spec.compiled import compile_decoder_layers
+    from eagle3.spec.compiled import compile_decoder_layers, wants_compile
 
+    # auto = on: batch-1 decoding measured 1.41x (plain) and 1.24x (speculative) faster compiled
+    if wants_compile(getattr(cfg.engine, "compile_layers", None), device.type, default=True):
         compile_decoder_layers(model)  # the baseline and the verify pass alike
         compile_decoder_layers(drafter)
     aux = check_drafter_fits(drafter.arch, meta, info, drafter_dir)

@@ -54,6 +54,14 @@ def _owner(model) -> torch.nn.Module:
     return base
 
 
+def wants_compile(setting, device_type: str, default: bool) -> bool:
+    """``engine.compile_layers`` resolved: never off CUDA; ``None`` (auto) gives ``default``
+    (the measured choice of the calling stage)."""
+    if device_type != "cuda":
+        return False
+    return bool(default) if setting is None else bool(setting)
+
+
 def decoder_layers(model) -> torch.nn.ModuleList:
     """The ``[L]`` decoder layers of a transformers causal LM (``model.model.layers``) or of the
     drafter (``drafter.layers``).

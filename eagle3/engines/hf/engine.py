@@ -192,10 +192,11 @@ class HFEngine(Engine):
         n = len(self._layers)
         if n != target.num_layers:
             raise Eagle3Error(f"the loaded target has {n} layers but its config says {target.num_layers}")
-        self.compile_layers = device.type == "cuda" and bool(getattr(engine_cfg, "compile_layers", False))
-        if self.compile_layers:
-            from eagle3.spec.compiled import compile_decoder_layers
+        from eagle3.spec.compiled import compile_decoder_layers, wants_compile
 
+        # auto = off here: regeneration's batched decoder and capture ran 4-6x slower compiled
+        self.compile_layers = wants_compile(getattr(engine_cfg, "compile_layers", None), device.type, default=False)
+        if self.compile_layers:
             compile_decoder_layers(model)
 
     @classmethod
