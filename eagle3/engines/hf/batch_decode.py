@@ -93,13 +93,10 @@ class FlatSlotCache:
         self.rows, self.width = int(rows), int(width)
 
     def _view(self, buf: torch.Tensor) -> torch.Tensor:
-        """The first ``B * kv * S * d`` elements of ``buf`` as a contiguous ``[B, kv, S, d]``.
-
-        Contiguous, not a permuted ``[B, S, kv, d]`` view: attention repeats K/V for GQA
-        (transformers' ``repeat_kv``, since an explicit mask rules out SDPA's own GQA), and
-        that copy from a permuted view was the largest kernel of a decode step at batch 64 on
-        one H200 (32% of its GPU time eager; 89% when inductor fused it, 6.5 ms a layer).
-        """
+        """The first ``B * kv * S * d`` elements of ``buf`` as a contiguous ``[B, kv, S, d]``
+        (the layout attention reads; transformers repeats K/V for GQA from it, since an
+        explicit mask rules out SDPA's own GQA). A permuted ``[B, S, kv, d]`` view did the
+        same at the same speed on one H200 (0.59x compiled ``generate`` either way)."""
         B, S, kv, d = self.rows, self.width, buf.shape[1], buf.shape[2]
         return buf.view(-1)[: B * kv * S * d].view(B, kv, S, d)
 
