@@ -152,13 +152,8 @@ class BatchDecoder:
 
     def _mask(self, visible: torch.Tensor) -> torch.Tensor:
         """``[B, n, S]`` bool -> the ``[B, 1, n, S]`` mask the attention reads (bool for sdpa,
-        additive for eager). With compiled layers (:mod:`eagle3.spec.compiled`) sdpa gets the
-        additive form too, made here once per step: given a bool mask, inductor converted it
-        inside every layer with a kernel that took 82% of a batch-64 decode step on one H200."""
-        from eagle3.spec.compiled import layers_compiled
-
-        attn = "eager" if self.attn == "sdpa" and layers_compiled(self.model) else self.attn
-        return explicit_mask(visible[:, None], attn, self.dtype, "batched graph decoding")
+        additive for eager)."""
+        return explicit_mask(visible[:, None], self.attn, self.dtype, "batched graph decoding")
 
     def _step(self, tok: torch.Tensor, pos: torch.Tensor, start: torch.Tensor, slot: torch.Tensor
               ) -> tuple[torch.Tensor]:
