@@ -38,8 +38,8 @@ class HFEngineConfig:
     # Compile the decoder layers of the target (and, in evaluation, of the drafter) with inductor
     # (torch.compile, dynamic shapes: one compilation for every layer and batch shape;
     # eagle3.spec.compiled) so the CUDA graphs replay fused kernels. CUDA only (ignored on CPU).
-    # null = auto: on for evaluation's batch-1 decoding (one H200: plain decoding 1.41x faster,
-    # speculative 1.24x; docs/performance.md), off for extraction (its batched decoder and
+    # null = auto: on for evaluation's batch-1 decoding in one process (one H200: plain decoding
+    # 1.41x faster, speculative 1.24x; docs/performance.md; off with workers > 1), off for extraction (its batched decoder and
     # capture were 4-6x slower compiled: a per-layer mask kernel; see docs/performance.md).
     compile_layers: Optional[bool] = None
 

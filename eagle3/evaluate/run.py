@@ -171,8 +171,11 @@ def _load_in_process(cfg, meta: dict, manifest: Optional[dict], warnings: list[s
     drafter, meta = load_sglang_export(drafter_dir, embed_tokens=model.get_input_embeddings().weight, device=device)
     from eagle3.spec.compiled import compile_decoder_layers, wants_compile
 
-    # auto = on: batch-1 decoding measured 1.41x (plain) and 1.24x (speculative) faster compiled
-    if wants_compile(getattr(cfg.engine, "compile_layers", None), device.type, default=True):
+    # auto = on for one process: batch-1 decoding measured 1.41x (plain) and 1.24x (speculative)
+    # faster compiled; off for parallel workers sharing a GPU (their tok/s are not batch-1 figures,
+    # and each would spend about 50 s compiling)
+    alone = int(getattr(cfg, "workers", 1) or 1) == 1
+    if wants_compile(getattr(cfg.engine, "compile_layers", None), device.type, default=alone):
         compile_decoder_layers(model)  # the baseline and the verify pass alike
         compile_decoder_layers(drafter)
     aux = check_drafter_fits(drafter.arch, meta, info, drafter_dir)
