@@ -15,7 +15,9 @@ engine's own call: :func:`eagle3.engines.hf.engine.generation_config` and
 (:class:`eagle3.engines.hf.batch_decode.BatchDecoder`, ``engine.generate_cache=graphs``:
 the decode step replayed from a CUDA graph, nothing compiled) and, with ``--compile-layers``,
 ``graphs_compiled`` (the same on a copy of the target whose decoder layers are compiled:
-``engine.compile_layers=true``, :mod:`eagle3.spec.compiled`). The first
+``engine.compile_layers=true``, :mod:`eagle3.spec.compiled`); ``*_nocudnn`` run the same
+under an SDPA backend list without cuDNN attention (flash, memory-efficient, math), to
+measure what the explicit mask costs cuDNN (``docs/performance.md``, compiled layers). The first
 repeat compiles and is not reported. Prints generated tokens/s (median over repeats,
 min-max), the ratio to ``hf_static`` and how many rows equal ``hf_eager``'s.
 """
@@ -80,34 +82,43 @@ def main(argv=None) -> dict:
 
     from eagle3.engines.hf.batch_decode import SLOT_MULTIPLE, BatchDecoder
 
-    decoder = BatchDecoder(model, capacity=B * (-(-(T + N) // SLOT_MULTIPLE) * SLOT_MULTIPLE))
+    capacity = B * (-(-(T + N) // SLOT_MULTIPLE) * SLOT_MULTIPLE)
 
-    def graphs():
-        synchronize(device)
-        t = time.perf_counter()
-        rows = decoder.generate(seqs, N, stop_ids=[], pad_id=0)
-        synchronize(device)
-        return torch.tensor(rows), B * N / (time.perf_counter() - t)
-
-    methods = {"hf_eager": lambda: call(False, 1), "hf_static": lambda: call(True, 1),
-               "engine": lambda: call(engine_static, STATIC_WIDTH_MULTIPLE if engine_static else 1), "graphs": graphs}
-    if a.compile_layers:  # the same decoder on a copy of the target whose layers are compiled
+    def graphs_method(compiled: bool, no_cudnn: bool):
+        """The batched graph decoder, on the target or on a copy whose layers are compiled;
+        ``no_cudnn``: every call (graph capture and compilation included) under an SDPA
+        backend list without cuDNN attention, which takes the explicit mask as a dense bias."""
+        import contextlib
         import copy
 
-        from eagle3.spec.compiled import compile_decoder_layers
+        from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        twin = copy.deepcopy(model)
-        compile_decoder_layers(twin)
-        compiled_decoder = BatchDecoder(twin, capacity=decoder.cache.capacity)
+        target = model
+        if compiled:
+            from eagle3.spec.compiled import compile_decoder_layers
 
-        def graphs_compiled():
+            target = copy.deepcopy(model)
+            compile_decoder_layers(target)
+        dec = BatchDecoder(target, capacity=capacity)
+        backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+        def run():
+            ctx = sdpa_kernel(backends) if no_cudnn else contextlib.nullcontext()
             synchronize(device)
             t = time.perf_counter()
-            rows = compiled_decoder.generate(seqs, N, stop_ids=[], pad_id=0)
+            with ctx:
+                rows = dec.generate(seqs, N, stop_ids=[], pad_id=0)
             synchronize(device)
             return torch.tensor(rows), B * N / (time.perf_counter() - t)
 
-        methods["graphs_compiled"] = graphs_compiled
+        return run
+
+    methods = {"hf_eager": lambda: call(False, 1), "hf_static": lambda: call(True, 1),
+               "engine": lambda: call(engine_static, STATIC_WIDTH_MULTIPLE if engine_static else 1),
+               "graphs": graphs_method(False, False), "graphs_nocudnn": graphs_method(False, True)}
+    if a.compile_layers:  # the same decoder on copies of the target whose layers are compiled
+        methods["graphs_compiled"] = graphs_method(True, False)
+        methods["graphs_compiled_nocudnn"] = graphs_method(True, True)
     names = list(methods)
     if a.methods:
         keep = {"hf_eager", "hf_static", *a.methods.split(",")}
