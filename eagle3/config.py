@@ -245,6 +245,11 @@ class LoopConfig:
     # after the current optimizer step and finishes as at its last step (checkpoint, validation,
     # exports; metrics.json says so); resuming with a later budget continues the same schedule.
     time_limit_min: Optional[float] = None
+    # train on a seeded subset of this fraction of the training samples (nested: the 0.25 subset
+    # lies inside the 0.5 one), validation unchanged: a learning curve, what more data would buy
+    # (python train.py -m loop.train_fraction=0.25,0.5,1.0); the draft vocabulary is still
+    # counted over the whole training split
+    train_fraction: float = 1.0
 
 
 @dataclass

@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 import eagle3  # noqa: F401
 from eagle3.config import ModelConfig
 from eagle3.errors import Eagle3Error
-from eagle3.train.data import length_bucketed_batches
+from eagle3.features import FeatureDataset
+from eagle3.train.data import BatchPlan, length_bucketed_batches, train_subset
 from eagle3.train.drafter import Eagle3Drafter
 from eagle3.train.run import train_drafter
 from toy import H, V, embed, held_out, make_cfg, rule, tiny_target, write_features
@@ -29,6 +30,37 @@ def test_batches_deterministic_and_within_budget():
     assert a != length_bucketed_batches(lengths, 64, seed=1, epoch=1)
     assert sorted(i for b in a for i in b) == list(range(len(lengths)))
     assert all(len(b) * max(min(lengths[i], 64) for i in b) <= 64 for b in a)
+
+
+def test_train_subsets_are_nested_seeded_and_checked():
+    a, b = train_subset(40, 0.25, seed=3), train_subset(40, 0.5, seed=3)
+    assert (len(a), len(b)) == (10, 20) and set(a) <= set(b) and list(b) == sorted(set(b))
+    assert train_subset(40, 0.5, seed=4) != b and train_subset(40, 1.0, seed=3) is None
+    assert train_subset(3, 0.01, seed=0) is not None and len(train_subset(3, 0.01, seed=0)) == 1
+    for bad in (0.0, -0.5, 1.5):
+        with pytest.raises(Eagle3Error, match="train_fraction"):
+            train_subset(40, bad, seed=0)
+    # a plan over the subset batches those samples only, each once per epoch, within the budget
+    lengths = [5, 50, 17, 9, 30, 2, 44, 12] * 5
+    plan = BatchPlan(lengths, 64, seed=1, grad_accum=1, world=1, samples=b)
+    got = [i for batch in plan.batches_of(0) for i in batch]
+    assert sorted(got) == list(b) and plan.num_samples == 20
+    assert all(len(x) * max(min(lengths[i], 64) for i in x) <= 64 for x in plan.batches_of(0))
+
+
+def test_train_fraction_trains_on_its_subset_only(tmp_path):
+    write_features(tmp_path / "f", n=30)
+    tgt, E = tiny_target(), embed()
+    ids = FeatureDataset([tmp_path / "f"], splits=("train",), verify=False).sample_ids
+    seen = {}
+    for frac in (0.5, 1.0):
+        got = set()
+        m = train_drafter(make_cfg(tmp_path / "f", tmp_path / f"d{frac}", **{"loop.epochs": 3, "loop.train_fraction": frac}),
+                          tgt, E, on_batch=lambda s, b: got.update(b))
+        seen[frac] = got
+        assert (m["train_samples"], m["train_split_samples"]) == (len(got), len(ids))
+    sub = {ids[i] for i in train_subset(len(ids), 0.5, seed=0)}
+    assert seen[0.5] == sub and seen[1.0] == set(ids) and len(sub) == round(len(ids) / 2)
 
 
 def test_five_steps_equal_three_plus_resume_plus_two(tmp_path):

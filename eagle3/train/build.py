@@ -27,7 +27,8 @@ from eagle3.errors import Eagle3Error
 from eagle3.features import FeatureDataset
 from eagle3.paths import features_dirs, stage_output_dir
 from eagle3.train.checkpoint import TrainState, latest_checkpoint
-from eagle3.train.data import BatchPlan, length_bucketed_batches, make_loader, open_datasets, warn_on_degenerate_loss_mask
+from eagle3.train.data import (BatchPlan, length_bucketed_batches, make_loader, open_datasets, train_subset,
+                               warn_on_degenerate_loss_mask)
 from eagle3.train.drafter import DrafterArch, Eagle3Drafter
 from eagle3.train.record import check_resume_record, run_record, tracker_config
 from eagle3.train.settings import check_settings, default_max_tokens, drafter_arch, resolve_mixed_precision
@@ -137,8 +138,12 @@ def build_run(cfg: Any, target: Any, embed: torch.Tensor, lm_head: Optional[torc
         fused=device.type == "cuda",
     )
 
-    plan = BatchPlan(train_ds.lengths, max_tokens, cfg.seed, cfg.loop.grad_accum, accelerator.num_processes)
-    total_steps = _total_steps(plan, cfg.loop, len(train_ds))
+    plan = BatchPlan(train_ds.lengths, max_tokens, cfg.seed, cfg.loop.grad_accum, accelerator.num_processes,
+                     samples=train_subset(len(train_ds), cfg.loop.train_fraction, cfg.seed))
+    if plan.samples is not None:
+        log.info("training on %d of %d training samples (loop.train_fraction=%s)", plan.num_samples,
+                 len(train_ds), cfg.loop.train_fraction)
+    total_steps = _total_steps(plan, cfg.loop, plan.num_samples)
     scheduler = _scheduler(ocfg, optimizer, total_steps)
     state = TrainState()
     model, optimizer = accelerator.prepare(model, optimizer)

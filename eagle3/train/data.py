@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -155,6 +155,26 @@ def length_bucketed_batches(lengths: Sequence[int], max_tokens: int, seed: int, 
     return [batches[p] for p in perm]
 
 
+def train_subset(num_samples: int, fraction: float, seed: int) -> Optional[tuple[int, ...]]:
+    """The training samples a run with ``loop.train_fraction = fraction`` trains on.
+
+    Returns ``None`` for ``fraction == 1`` (every sample), else the sorted indices of the first
+    ``max(1, round(num_samples * fraction))`` samples of a permutation seeded by ``seed`` only:
+    for one seed the subsets are nested (a smaller fraction's subset lies inside a larger
+    one's), so the points of a learning curve differ only by the samples added.
+
+    Raises:
+        Eagle3Error: ``fraction`` outside ``(0, 1]``.
+    """
+    if not 0.0 < fraction <= 1.0:
+        raise Eagle3Error(f"loop.train_fraction={fraction}: give a fraction of the training samples in (0, 1]")
+    if fraction == 1.0:
+        return None
+    g = torch.Generator().manual_seed(int(seed) * 7_919 + 17)
+    order = torch.randperm(num_samples, generator=g).tolist()
+    return tuple(sorted(order[: max(1, round(num_samples * fraction))]))
+
+
 @dataclass(frozen=True)
 class BatchPlan:
     """The run's global micro-batch plan: which samples every optimizer step trains on.
@@ -165,6 +185,7 @@ class BatchPlan:
         seed: the run's seed (the order is a pure function of ``(seed, epoch)``).
         grad_accum: micro-batches per process in one optimizer step.
         world: the number of processes.
+        samples: the training samples used (:func:`train_subset`); ``None`` = all of them.
     """
 
     lengths: Sequence[int]
@@ -172,6 +193,12 @@ class BatchPlan:
     seed: int
     grad_accum: int
     world: int
+    samples: Optional[tuple[int, ...]] = None
+
+    @property
+    def num_samples(self) -> int:
+        """Training samples the plan draws from."""
+        return len(self.lengths) if self.samples is None else len(self.samples)
 
     @property
     def per_step(self) -> int:
@@ -183,7 +210,12 @@ class BatchPlan:
         ``i`` goes to process ``i % world``, so step ``k`` trains on global micro-batches
         ``k*per_step .. (k+1)*per_step - 1`` whatever the split between processes and
         accumulation: N processes x grad_accum g equal one process x grad_accum N*g."""
-        b = length_bucketed_batches(self.lengths, self.max_tokens, self.seed, epoch)
+        if self.samples is None:
+            b = length_bucketed_batches(self.lengths, self.max_tokens, self.seed, epoch)
+        else:
+            sub = [self.lengths[i] for i in self.samples]
+            b = [[self.samples[j] for j in batch]
+                 for batch in length_bucketed_batches(sub, self.max_tokens, self.seed, epoch)]
         return b[: len(b) - len(b) % self.per_step]
 
     def steps_per_epoch(self, epochs: int) -> list[int]:

@@ -107,6 +107,9 @@ def _metrics(run: Run, progress: Progress, last_val: Optional[dict]) -> dict:
         "time_limited": progress.time_limited,
         "epoch": state.epoch,
         "train_tokens": state.tokens,
+        # training samples drawn from (loop.train_fraction of the training split's)
+        "train_samples": run.plan.num_samples,
+        "train_split_samples": len(run.train_ds),
         # the last log interval's training metrics; an interval never spans a resume, so after
         # one they cover steps after launch_first_step only (validation covers the final drafter)
         "train": progress.last_train,
