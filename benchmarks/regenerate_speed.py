@@ -17,7 +17,9 @@ the decode step replayed from a CUDA graph, nothing compiled) and, with ``--comp
 ``graphs_compiled`` (the same on a copy of the target whose decoder layers are compiled:
 ``engine.compile_layers=true``, :mod:`eagle3.spec.compiled`); ``*_nocudnn`` run the same
 under an SDPA backend list without cuDNN attention (flash, memory-efficient, math), to
-measure what the explicit mask costs cuDNN (``docs/performance.md``, compiled layers). The first
+measure what the explicit mask costs cuDNN (``docs/performance.md``, compiled layers);
+``graphs_compiled_sdpa_eager`` compiles the layers but keeps the SDPA call eager between the
+compiled pieces (``compile_decoder_layers(..., attention_in_graph=False)``). The first
 repeat compiles and is not reported. Prints generated tokens/s (median over repeats,
 min-max), the ratio to ``hf_static`` and how many rows equal ``hf_eager``'s.
 """
@@ -84,7 +86,7 @@ def main(argv=None) -> dict:
 
     capacity = B * (-(-(T + N) // SLOT_MULTIPLE) * SLOT_MULTIPLE)
 
-    def graphs_method(compiled: bool, no_cudnn: bool):
+    def graphs_method(compiled: bool, no_cudnn: bool, attention_in_graph: bool = True):
         """The batched graph decoder, on the target or on a copy whose layers are compiled;
         ``no_cudnn``: every call (graph capture and compilation included) under an SDPA
         backend list without cuDNN attention, which takes the explicit mask as a dense bias."""
@@ -98,7 +100,7 @@ def main(argv=None) -> dict:
             from eagle3.spec.compiled import compile_decoder_layers
 
             target = copy.deepcopy(model)
-            compile_decoder_layers(target)
+            compile_decoder_layers(target, attention_in_graph=attention_in_graph)
         dec = BatchDecoder(target, capacity=capacity)
         backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
@@ -119,6 +121,7 @@ def main(argv=None) -> dict:
     if a.compile_layers:  # the same decoder on copies of the target whose layers are compiled
         methods["graphs_compiled"] = graphs_method(True, False)
         methods["graphs_compiled_nocudnn"] = graphs_method(True, True)
+        methods["graphs_compiled_sdpa_eager"] = graphs_method(True, False, attention_in_graph=False)
     names = list(methods)
     if a.methods:
         keep = {"hf_eager", "hf_static", *a.methods.split(",")}

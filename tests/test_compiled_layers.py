@@ -12,7 +12,7 @@ from eagle3.engines.hf.batch_decode import BatchDecoder
 from eagle3.errors import Eagle3Error
 from eagle3.evaluate.run import decoding_path
 from eagle3.spec import SpecSettings, StaticEagle3Proposer, StaticTargetRunner, build_decoder
-from eagle3.spec.compiled import compile_decoder_layers, layers_compiled
+from eagle3.spec.compiled import SDPA_OUTSIDE_COMPILE, compile_decoder_layers, layers_compiled
 from test_batch_decode import reference, seqs_of
 from test_spec_decode import AUX, PROMPT, greedy_reference, tiny_drafter, tiny_target
 from test_static_decode import forced_run
@@ -50,6 +50,27 @@ def test_batched_decoding_with_compiled_layers_gives_generates_rows_and_compiles
             before = _frames()
         assert dec.generate(seqs, 9, stop_ids=[], pad_id=0) == reference(eager, seqs, 9)
     assert _frames() == before  # no compilation for a new batch shape
+
+
+def test_attention_kept_outside_the_compiled_layers_gives_the_same_rows():
+    """attention_in_graph=False: the model's attention becomes the registered eager-sdpa key, the
+    batched decoder's rows equal generate's on the eager target over two batch shapes, and
+    the attention call is a graph break: Dynamo compiled the layer in pieces around it."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    eager = tiny_target(layers=2)
+    split = copy.deepcopy(eager)
+    assert compile_decoder_layers(split, attention_in_graph=False) == 3
+    assert split.config._attn_implementation == SDPA_OUTSIDE_COMPILE and eager.config._attn_implementation == "sdpa"
+    dec = BatchDecoder(split, capacity=6 * 128)
+    for i, lengths in enumerate([[7, 12, 3], [20, 5, 9, 9]]):
+        seqs = seqs_of(lengths, seed=20 + i)
+        assert dec.generate(seqs, 8, stop_ids=[], pad_id=0) == reference(eager, seqs, 8)
+    assert sum(counters["graph_break"].values()) > 0  # the disabled sdpa call splits each layer
+    with pytest.raises(Eagle3Error, match="attn_implementation='sdpa'"):
+        compile_decoder_layers(tiny_drafter(eager), attention_in_graph=False)
 
 
 def test_speculative_decoding_with_compiled_target_layers_equals_eager(pair):

@@ -30,6 +30,18 @@ in ``nn.Module.__call__``, outside the compiled ``forward``, as before. The comp
 kernels are launched like any other inside :class:`eagle3.spec.graphs.GraphedCall`'s
 warm-up runs (which is when compilation happens) and recorded by its capture.
 
+``attention_in_graph=False`` keeps the attention kernel itself out of the compiled code: the
+model's attention implementation becomes :data:`SDPA_OUTSIDE_COMPILE`, transformers' own
+``sdpa_attention_forward`` wrapped in ``torch.compiler.disable`` and registered with
+transformers' ``AttentionInterface`` (and its mask with ``AttentionMaskInterface``), so each
+layer compiles in two pieces around an eager SDPA call that reads the mask by broadcasting.
+Measured on one H200 at batch 256 with attention compiled, inductor's lowering of the masked
+SDPA spent 82-89% of the GPU time in a prologue that materialises the mask per layer and step,
+whichever SDPA kernel followed (``docs/performance.md``); this is the variant that avoids it.
+Any transformers model whose layers call ``ALL_ATTENTION_FUNCTIONS`` (Llama, DeepSeek-V3)
+takes it; the drafter's attention (:class:`eagle3.train.drafter.DrafterAttention`) does not.
+Timed by ``benchmarks/regenerate_speed.py --compile-layers`` (``graphs_compiled_sdpa_eager``).
+
 On CPU this works too (inductor's C++ backend) but is not what the project runs there
 (compilation costs more than a CPU run of the test sizes gains); ``engine.compile_layers``
 applies it on CUDA only.
@@ -40,6 +52,34 @@ from __future__ import annotations
 import torch
 
 from eagle3.errors import Eagle3Error
+
+
+# transformers attention-implementation key of sdpa kept outside compiled code (module docstring)
+SDPA_OUTSIDE_COMPILE = "eagle3_sdpa_outside_compile"
+
+
+def use_sdpa_outside_compile(model) -> None:
+    """Switch a transformers model from ``sdpa`` to :data:`SDPA_OUTSIDE_COMPILE` (the same
+    function and mask, never traced by Dynamo); registers the key on first use. Idempotent.
+
+    Raises:
+        Eagle3Error: a model without ``set_attn_implementation`` (the drafter), or one whose
+            attention implementation is not ``sdpa``.
+    """
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if impl == SDPA_OUTSIDE_COMPILE:
+        return
+    if not hasattr(model, "set_attn_implementation") or impl != "sdpa":
+        raise Eagle3Error(f"{type(model).__name__} (attention {impl!r}) cannot keep its attention outside the "
+                          "compiled layers: that needs a transformers model with attn_implementation='sdpa'")
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    if SDPA_OUTSIDE_COMPILE not in AttentionInterface._global_mapping:
+        AttentionInterface.register(SDPA_OUTSIDE_COMPILE, torch.compiler.disable(sdpa_attention_forward))
+        AttentionMaskInterface.register(SDPA_OUTSIDE_COMPILE, sdpa_mask)
+    model.set_attn_implementation(SDPA_OUTSIDE_COMPILE)
 
 
 def _owner(model) -> torch.nn.Module:
@@ -72,7 +112,7 @@ def decoder_layers(model) -> torch.nn.ModuleList:
     return _owner(model).layers
 
 
-def compile_decoder_layers(model) -> int:
+def compile_decoder_layers(model, attention_in_graph: bool = True) -> int:
     """Compile every decoder layer of ``model`` and its final norm in place (module docstring).
 
     Idempotent: a layer already compiled is left as it is.
@@ -81,14 +121,18 @@ def compile_decoder_layers(model) -> int:
         model: a transformers causal LM (``model.model.layers``, ``model.model.norm``) or the
             EAGLE-3 drafter (``drafter.layers``, ``drafter.norm``; its lm_head and the d2t
             lookup stay eager).
+        attention_in_graph: ``False`` keeps the SDPA call eager between two compiled pieces
+            of each layer (:func:`use_sdpa_outside_compile`; transformers models only).
 
     Returns:
         how many modules were compiled now (``L + 1`` the first time, 0 after).
 
     Raises:
-        Eagle3Error: as :func:`decoder_layers`.
+        Eagle3Error: as :func:`decoder_layers` and :func:`use_sdpa_outside_compile`.
     """
     owner = _owner(model)
+    if not attention_in_graph:
+        use_sdpa_outside_compile(model)
     torch._dynamo.config.allow_unspec_int_on_nn_module = True  # layer_idx: one compilation for all layers
     modules = list(owner.layers) + ([owner.norm] if getattr(owner, "norm", None) is not None else [])
     n = 0

@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 import torch
 
 from eagle3.errors import Eagle3Error
+from eagle3.spec.compiled import SDPA_OUTSIDE_COMPILE
 
 
 def synchronize(device: torch.device | str) -> None:
@@ -35,7 +36,7 @@ def explicit_mask(visible: torch.Tensor, attn_implementation: str, dtype: torch.
     if attn_implementation == "eager":
         zero = torch.zeros((), dtype=dtype, device=visible.device)
         return torch.where(visible, zero, torch.finfo(dtype).min)
-    if attn_implementation == "sdpa":
+    if attn_implementation in ("sdpa", SDPA_OUTSIDE_COMPILE):  # the latter: sdpa kept out of compiled layers
         return visible
     raise Eagle3Error(f"{what} needs an explicit attention mask, which attn_implementation='{attn_implementation}' "
                       "does not take; use engine.attn_implementation=sdpa or eager")
