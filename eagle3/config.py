@@ -145,6 +145,9 @@ class CaptureConfig:
     top_k: int = 20  # target next-token distribution kept as top-k ids + log-probs
     max_length: int = 2048  # tokens per sample; longer samples are truncated (counted)
     shard_size_mb: float = 256.0  # MB of features per shard (sets samples per shard)
+    # how aux hidden states are stored: bfloat16 (as captured) | float8_e4m3fn (one scale per token and
+    # aux layer, about half the disk; read back as bfloat16: eagle3.features.format)
+    aux_dtype: str = "bfloat16"
     regenerate: bool = True  # regenerate assistant turns with the target
     # user turns kept (and answered) per conversation; None = every turn. Default 1: the
     # first exchange, as the evaluation benchmarks prompt (multi-turn: capture.max_turns=null)

@@ -48,6 +48,8 @@ TRAIN_OVERRIDES=${TRAIN_OVERRIDES:-}
 SAMPLED_TEMPERATURE=${SAMPLED_TEMPERATURE:-0.7}
 SWEEP=${SWEEP:-"drafter.intermediate_size=1536,6144"}
 GENERATE_CACHE=${GENERATE_CACHE:-auto}
+# float8_e4m3fn: aux states in about half the disk (benchmarks/fp8_features.py: no measurable cost to a drafter)
+AUX_DTYPE=${AUX_DTYPE:-bfloat16}
 DRAFTER=$RUN/drafter
 mkdir -p "$RUN"
 export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=10
@@ -68,17 +70,17 @@ for stage in $STAGES; do
   stamp "$stage"
   case $stage in
   extract)
-    python extract.py engine.device=cuda data.limit="$PROMPTS" capture.max_turns="$MAX_TURNS" \
+    python extract.py engine.device=cuda data.limit="$PROMPTS" capture.max_turns="$MAX_TURNS" capture.aux_dtype="$AUX_DTYPE" \
       sampling.max_new_tokens="$MAX_NEW_TOKENS" output_dir="$FEAT" engine.generate_cache="$GENERATE_CACHE" \
       engine.max_batch_tokens=32768 parallel.workers="$EXTRACT_WORKERS" parallel.devices="$(same_gpu "$EXTRACT_WORKERS")" 2>&1 | tee "$RUN/extract.log"
     ;;
   extract_gsm8k)
-    python extract.py engine.device=cuda data=gsm8k capture.max_turns=1 sampling.max_new_tokens=256 \
+    python extract.py engine.device=cuda data=gsm8k capture.max_turns=1 sampling.max_new_tokens=256 capture.aux_dtype="$AUX_DTYPE" \
       engine.generate_batch_size=32 output_dir="$RUN/features-gsm8k" engine.generate_cache="$GENERATE_CACHE" \
       parallel.workers="$EXTRACT_WORKERS" parallel.devices="$(same_gpu "$EXTRACT_WORKERS")" 2>&1 | tee "$RUN/extract-gsm8k.log"
     ;;
   extract_sampled)
-    python extract.py engine.device=cuda data.limit="$PROMPTS" capture.max_turns=1 sampling.max_new_tokens="$MAX_NEW_TOKENS" \
+    python extract.py engine.device=cuda data.limit="$PROMPTS" capture.max_turns=1 sampling.max_new_tokens="$MAX_NEW_TOKENS" capture.aux_dtype="$AUX_DTYPE" \
       sampling.temperature="$SAMPLED_TEMPERATURE" sampling.seed=1 output_dir="$RUN/features-sampled" \
       engine.generate_cache="$GENERATE_CACHE" \
       engine.max_batch_tokens=32768 parallel.workers="$EXTRACT_WORKERS" parallel.devices="$(same_gpu "$EXTRACT_WORKERS")" 2>&1 | tee "$RUN/extract-sampled.log"

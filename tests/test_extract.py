@@ -183,6 +183,33 @@ def test_bad_inputs_fail_clearly_before_writing(tiny_target_dir, tmp_path, lines
     assert not out.exists()
 
 
+def test_fp8_aux_storage_extracts_the_same_samples_in_fewer_bytes(tiny_target_dir, tmp_path):
+    """capture.aux_dtype=float8_e4m3fn: the same ids, masks and top-k as a bf16 extraction, aux
+    states that read back as the bf16 ones quantized (features.quantize_aux), the setting in the
+    manifest, smaller shards; a bad value is refused before anything is written."""
+    data = _write_jsonl(tmp_path / "chats.jsonl", CHATS[:3])
+    run_extract(_cfg(tiny_target_dir, tmp_path, data, tmp_path / "bf16"))
+    cfg = _cfg(tiny_target_dir, tmp_path, data, tmp_path / "fp8")
+    cfg.capture.aux_dtype = "float8_e4m3fn"
+    run_extract(cfg)
+    m16, m8 = features.load_manifest(tmp_path / "bf16"), features.load_manifest(tmp_path / "fp8")
+    assert "aux_dtype" not in m16["metadata"]["capture"] and m8["metadata"]["capture"]["aux_dtype"] == "float8_e4m3fn"
+    assert sum(s["bytes"] for s in m8["shards"]) < 0.8 * sum(s["bytes"] for s in m16["shards"])
+    for split in ("train", "validation"):
+        a, b = features.FeatureDataset(tmp_path / "bf16", splits=(split,)), features.FeatureDataset(tmp_path / "fp8", splits=(split,))
+        assert a.sample_ids == b.sample_ids and len(a) > 0
+        for i in range(len(a)):
+            x, y = a[i], b[i]
+            for k in ("input_ids", "loss_mask", "topk_ids"):
+                assert torch.equal(x[k], y[k]), k
+            assert torch.equal(y["aux_hidden_states"], features.dequantize_aux(*features.quantize_aux(x["aux_hidden_states"])))
+    cfg = _cfg(tiny_target_dir, tmp_path, data, tmp_path / "bad")
+    cfg.capture.aux_dtype = "fp8"
+    with pytest.raises(Eagle3Error, match="capture.aux_dtype=fp8 must be one of bfloat16, float8_e4m3fn"):
+        run_extract(cfg)
+    assert not (tmp_path / "bad").exists()
+
+
 def test_layer_id_out_of_range_and_too_little_disk(tiny_target_dir, tmp_path, monkeypatch):
     data = _write_jsonl(tmp_path / "chats.jsonl", CHATS[:3])
     cfg = _cfg(tiny_target_dir, tmp_path, data, tmp_path / "out")

@@ -12,9 +12,12 @@ from eagle3.features import (
     FeatureWriter,
     Record,
     bytes_per_token,
+    AUX_FP8,
     check_compatible,
+    dequantize_aux,
     estimate_bytes,
     load_manifest,
+    quantize_aux,
     samples_per_shard,
 )
 
@@ -54,6 +57,66 @@ def test_bytes_estimate():
     assert bytes_per_token(H, K) == 3 * H * 2 + K * 8 + 5
     assert estimate_bytes(10, H, K) == 10 * bytes_per_token(H, K)
     assert samples_per_shard(1, 100, 20, 100) == 1_000_000 // (100 * bytes_per_token(100, 20))
+
+
+def test_fp8_aux_by_hand_and_within_e4m3_bounds():
+    # a state whose absmax is 448 has scale 1: E4M3 values come back exactly, others round to 3 mantissa bits
+    x = torch.tensor([[[448.0, -224.0, 1.0, 0.0, 0.1015625, 3.3, -17.0, 2.0 ** -9]]]).expand(1, 3, 8).clone()
+    x[0, 1] *= 2  # absmax 896: scale 2, the same values at twice the size
+    x[0, 2] = 0  # an all-zero state: scale 1, zeros back
+    q, s = quantize_aux(x)
+    assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32 and s.tolist() == [[1.0, 2.0, 1.0]]
+    back = dequantize_aux(q, s)
+    assert back.dtype == torch.bfloat16
+    # 3.3 -> 3.25 and -17 -> -16 (E4M3 steps of 0.25 in [2, 4) and 2 in [16, 32)); 0.1015625 = 13 * 2^-7 exact;
+    # 2^-9 is E4M3's smallest subnormal
+    want = [448.0, -224.0, 1.0, 0.0, 0.1015625, 3.25, -16.0, 2.0 ** -9]
+    assert back[0, 0].float().tolist() == want and back[0, 1].float().tolist() == [2 * v for v in want]
+    assert back[0, 2].float().abs().sum() == 0
+    # the bound on random states with outlier channels, as residual streams have (relative 2^-4 of
+    # each element, plus E4M3's subnormal step 2^-9 of the scale for the smallest)
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(64, 3, 576, generator=g)
+    a[:, :, 7] *= 300
+    q, s = quantize_aux(a)
+    err = (dequantize_aux(q, s).float() - a).abs()
+    assert bool((err <= a.abs() * 2.0 ** -4 + s[..., None] * 2.0 ** -9 + a.abs() * 2.0 ** -8).all())
+    cos = torch.nn.functional.cosine_similarity(dequantize_aux(q, s).float(), a, dim=-1)
+    assert cos.min() > 0.998
+    # non-finite states stay non-finite (training's non-finite check must still see them)
+    bad = torch.ones(2, 3, 8)
+    bad[0, 1, 3], bad[1, 2, 0] = float("nan"), float("inf")
+    back = dequantize_aux(*quantize_aux(bad)).float()
+    assert back[0, 1].isnan().all() and back[1, 2].isnan().all() and back[0, 0].eq(1).all()
+
+
+def test_fp8_folder_reads_back_as_bf16_in_half_the_bytes(tmp_path):
+    m16 = write_all(tmp_path / "bf16")
+    m8 = write_all(tmp_path / "fp8", meta={**META, "capture": {"top_k": K, "aux_dtype": AUX_FP8}})
+    assert bytes_per_token(H, K, AUX_FP8) == 3 * H + 12 + K * 8 + 5
+    a, b = FeatureDataset(tmp_path / "bf16"), FeatureDataset(tmp_path / "fp8")
+    for i in range(len(a)):
+        x, y = a[i], b[i]
+        assert y["aux_hidden_states"].dtype == torch.bfloat16 and y["aux_hidden_states"].shape == x["aux_hidden_states"].shape
+        q, s = quantize_aux(x["aux_hidden_states"])
+        assert torch.equal(y["aux_hidden_states"], dequantize_aux(q, s))
+        for k in ("input_ids", "loss_mask", "topk_ids", "topk_logprobs"):
+            assert torch.equal(x[k], y[k]), k
+    # the aux part of each shard shrinks from 6H to 3H + 12 bytes a token
+    from safetensors import safe_open
+
+    def aux_bytes(path):
+        with safe_open(str(path), framework="pt") as f:
+            return sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys() if k.startswith("aux_"))
+
+    for s16, s8 in zip(m16["shards"], m8["shards"]):
+        if s16["file"]:
+            T = s16["tokens"]
+            assert (aux_bytes(tmp_path / "bf16" / s16["file"]), aux_bytes(tmp_path / "fp8" / s8["file"])) == (T * 6 * H,
+                                                                                                       T * (3 * H + 12))
+    # both read together (one training run over a bf16 and an fp8 folder)
+    both = FeatureDataset([tmp_path / "bf16", tmp_path / "fp8"])
+    assert len(both) == 2 * len(a) and both[len(a)]["aux_hidden_states"].dtype == torch.bfloat16
 
 
 def test_roundtrip_and_counts(tmp_path):

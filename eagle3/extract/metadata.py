@@ -58,7 +58,9 @@ def _metadata(cfg, target, engine, tokenizer) -> dict:
         "capture": {"top_k": int(cfg.capture.top_k), "max_length": int(cfg.capture.max_length),
                     "max_turns": cfg.capture.max_turns,
                     # multi-turn regeneration plans by turn count (eagle3.extract.order); absent = source order
-                    **({"plan_order": "turns"} if bucket_by_turns(cfg.capture) else {})},
+                    **({"plan_order": "turns"} if bucket_by_turns(cfg.capture) else {}),
+                    # absent = bfloat16 (folders written before the setting existed)
+                    **({"aux_dtype": cfg.capture.aux_dtype} if cfg.capture.aux_dtype != "bfloat16" else {})},
         "data": {
             "name": d.name,
             "source": d.source,

@@ -59,6 +59,8 @@ def _check_settings(cfg) -> None:
         raise Eagle3Error(f"capture.max_turns={cap.max_turns} must be at least 1 (or null for all turns)")
     if cap.shard_size_mb <= 0:
         raise Eagle3Error(f"capture.shard_size_mb={cap.shard_size_mb} must be positive")
+    if cap.aux_dtype not in features.AUX_DTYPES:
+        raise Eagle3Error(f"capture.aux_dtype={cap.aux_dtype} must be one of {', '.join(features.AUX_DTYPES)}")
 
 
 def _estimate_tokens(tokenizer, rows: list[list[dict]], cfg) -> tuple[list[int], int]:
@@ -107,14 +109,16 @@ def preflight(cfg, tokenizer, target, ids: list[str], messages: list[list[dict]]
             f"the first prompt of every selected conversation ({too_long}) alone reaches "
             f"capture.max_length={max_length}, so nothing is trainable; raise capture.max_length or use shorter prompts"
         )
-    per_shard = features.samples_per_shard(cfg.capture.shard_size_mb, target.hidden_size, top_k, sum(est) / len(est))
+    per_shard = features.samples_per_shard(cfg.capture.shard_size_mb, target.hidden_size, top_k, sum(est) / len(est),
+                                           cfg.capture.aux_dtype)
     done_ids: set[str] = set()
     if (out_dir / manifest_name).exists():
         old = features.load_manifest(out_dir, require_complete=False, name=manifest_name)
         per_shard = int(old.get("samples_per_shard", per_shard))
         for sh in old.get("shards", []):
             done_ids.update(p[0] for p in old["plan"][sh["index"] * per_shard:(sh["index"] + 1) * per_shard])
-    need = features.estimate_bytes(sum(n for i, n in zip(ids, est) if i not in done_ids), target.hidden_size, top_k)
+    need = features.estimate_bytes(sum(n for i, n in zip(ids, est) if i not in done_ids), target.hidden_size, top_k,
+                                   cfg.capture.aux_dtype)
     free = free_disk_bytes(out_dir)
     if need * DISK_MARGIN > free:
         raise Eagle3Error(

@@ -8,6 +8,9 @@ from eagle3.features.format import (  # noqa: F401
     MANIFEST,
     TENSOR_KEYS,
     DTYPES,
+    AUX_BF16,
+    AUX_FP8,
+    AUX_DTYPES,
     COMPATIBILITY_KEYS,
     Capture,
     Record,
@@ -21,6 +24,8 @@ from eagle3.features.format import (  # noqa: F401
     LAYOUT_RETOKENIZED,
     sample_layout,
     rank_top_k,
+    quantize_aux,
+    dequantize_aux,
 )
 from eagle3.features.writer import FeatureWriter  # noqa: F401
 from eagle3.features.reader import (  # noqa: F401

@@ -13,7 +13,15 @@ key                           shape        dtype
 ``aux_hidden_states``         ``[T, 3, H]`` bfloat16, HF ``output_hidden_states`` ids
 ``topk_ids``                  ``[T, k]``   int32, target's top-k next-token ids at t
 ``topk_logprobs``             ``[T, k]``   float32, their log-probs (full-vocab softmax)
+``aux_scales`` (fp8 only)     ``[T, 3]``   float32, see below
 ============================  ===========  ==========================================
+
+Aux storage (``metadata.capture.aux_dtype``, absent = ``bfloat16``): ``float8_e4m3fn``
+stores ``aux_hidden_states`` as OCP FP8 E4M3 with one float32 scale per token and aux
+layer (``aux_scales = absmax / 448``, :func:`quantize_aux`), 1,740 bytes a token instead of
+3,456 at H = 576, so one disk holds about twice the captured tokens. The reader gives back
+bfloat16 (:func:`dequantize_aux`); a non-finite state stays non-finite, so the
+non-finite check of training still sees it.
 
 A shard concatenates its samples along the token axis and adds ``offsets [n+1]``
 (int64): sample ``i`` is rows ``offsets[i]:offsets[i+1]``.
@@ -50,6 +58,10 @@ DTYPES = {
     "topk_ids": torch.int32,
     "topk_logprobs": torch.float32,
 }
+# how aux_hidden_states are stored (metadata.capture.aux_dtype; absent = bfloat16)
+AUX_BF16, AUX_FP8 = "bfloat16", "float8_e4m3fn"
+AUX_DTYPES = (AUX_BF16, AUX_FP8)
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn value
 # metadata.sample_layout values (see the module docstring)
 LAYOUT_TARGET_IDS = "target_ids"
 LAYOUT_TEMPLATE_TEXT = "template_text"
@@ -94,8 +106,9 @@ class Record:
     loss_mask: torch.Tensor
     capture: Capture
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """The five stored tensors, cast to the stored dtypes and checked for shape.
+    def tensors(self, aux_dtype: str = AUX_BF16) -> dict[str, torch.Tensor]:
+        """The stored tensors, cast to the stored dtypes and checked for shape: the five of the
+        module table, and ``aux_scales`` with ``aux_dtype="float8_e4m3fn"`` (:func:`quantize_aux`).
 
         Raises:
             Eagle3Error: lengths disagree, or the aux states are not ``[T, 3, H]``.
@@ -120,22 +133,48 @@ class Record:
                 raise Eagle3Error(
                     f"sample {self.sample_id}: {k} has {out[k].shape[0]} rows for {T} tokens"
                 )
+        if aux_dtype == AUX_FP8:
+            out["aux_hidden_states"], out["aux_scales"] = quantize_aux(aux)
         return out
 
 
-def bytes_per_token(hidden_size: int, top_k: int) -> int:
-    """Stored bytes per token: aux ``3H`` bf16 + top-k ids and log-probs + id + mask."""
-    return 3 * hidden_size * 2 + top_k * (4 + 4) + 4 + 1
+def quantize_aux(aux: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Aux states ``[T, 3, H]`` (any float dtype) -> ``(q [T, 3, H] float8_e4m3fn, scales [T, 3]
+    float32)`` with ``scales = absmax over H / 448`` (the per-token, per-tensor scaling of
+    FP8 activation quantization, e.g. vLLM's dynamic per-token FP8): each state's largest
+    element maps to E4M3's largest finite value, and every element keeps 3 mantissa bits
+    (relative error at most 2^-4 above E4M3's normal range, ``2^-6 * scale``, an absolute
+    ``2^-10 * scale`` below it). An all-zero state gets scale 1. A state with a NaN or an
+    infinity gets a non-finite scale and dequantizes to NaN."""
+    x = aux.float()
+    amax = x.abs().amax(dim=-1)  # [T, 3]; NaN or inf propagate
+    scales = torch.where(amax == 0, torch.ones_like(amax), amax / FP8_MAX)
+    q = (x / scales[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scales
 
 
-def estimate_bytes(num_tokens: int, hidden_size: int, top_k: int) -> int:
+def dequantize_aux(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``q [T, 3, H]`` float8_e4m3fn and ``scales [T, 3]`` float32 -> ``[T, 3, H]`` bfloat16
+    (:func:`quantize_aux`'s inverse up to its rounding)."""
+    return (q.float() * scales[..., None].float()).to(torch.bfloat16)
+
+
+def bytes_per_token(hidden_size: int, top_k: int, aux_dtype: str = AUX_BF16) -> int:
+    """Stored bytes per token: aux ``3H`` bf16 (or ``3H`` fp8 + three float32 scales) + top-k
+    ids and log-probs + id + mask."""
+    aux = 3 * hidden_size + 3 * 4 if aux_dtype == AUX_FP8 else 3 * hidden_size * 2
+    return aux + top_k * (4 + 4) + 4 + 1
+
+
+def estimate_bytes(num_tokens: int, hidden_size: int, top_k: int, aux_dtype: str = AUX_BF16) -> int:
     """Bytes a capture of ``num_tokens`` tokens will take on disk (within a few %)."""
-    return int(num_tokens) * bytes_per_token(hidden_size, top_k)
+    return int(num_tokens) * bytes_per_token(hidden_size, top_k, aux_dtype)
 
 
-def samples_per_shard(shard_size_mb: float, hidden_size: int, top_k: int, tokens_per_sample: float) -> int:
+def samples_per_shard(shard_size_mb: float, hidden_size: int, top_k: int, tokens_per_sample: float,
+                      aux_dtype: str = AUX_BF16) -> int:
     """How many samples of ``tokens_per_sample`` tokens fill a shard of ``shard_size_mb`` MB."""
-    per_sample = max(1.0, tokens_per_sample) * bytes_per_token(hidden_size, top_k)
+    per_sample = max(1.0, tokens_per_sample) * bytes_per_token(hidden_size, top_k, aux_dtype)
     return max(1, int(shard_size_mb * 1e6 // per_sample))
 
 

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from torch.utils.data import Dataset
 
 from eagle3.errors import Eagle3Error
-from eagle3.features.format import COMPATIBILITY_KEYS, FORMAT, MANIFEST, TENSOR_KEYS, VERSION
+from eagle3.features.format import COMPATIBILITY_KEYS, FORMAT, MANIFEST, TENSOR_KEYS, VERSION, dequantize_aux
 from eagle3.io import sha256_file
 
 
@@ -184,6 +184,7 @@ class FeatureDataset(Dataset):
                         self.lengths.append(int(s["length"]))
         self._handles: dict[Path, Any] = {}
         self._offsets: dict[Path, torch.Tensor] = {}
+        self._fp8: dict[Path, bool] = {}
 
     @property
     def sample_ids(self) -> list[str]:
@@ -204,6 +205,7 @@ class FeatureDataset(Dataset):
             h = safe_open(str(f), framework="pt")
             self._handles[f] = h
             self._offsets[f] = h.get_tensor("offsets")
+            self._fp8[f] = "aux_scales" in h.keys()
         return h
 
     def __getitem__(self, i: int) -> dict[str, Any]:
@@ -212,6 +214,8 @@ class FeatureDataset(Dataset):
         off = self._offsets[f]
         a, b = int(off[row]), int(off[row + 1])
         out: dict[str, Any] = {k: h.get_slice(k)[a:b] for k in TENSOR_KEYS}
+        if self._fp8[f]:  # float8_e4m3fn aux states and their scales (eagle3.features.format)
+            out["aux_hidden_states"] = dequantize_aux(out["aux_hidden_states"], h.get_slice("aux_scales")[a:b])
         out["sample_id"] = sid
         out["split"] = split
         return out
@@ -220,5 +224,6 @@ class FeatureDataset(Dataset):
         st = self.__dict__.copy()
         st["_handles"] = {}
         st["_offsets"] = {}
+        st["_fp8"] = {}
         return st
 

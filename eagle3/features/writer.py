@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3.errors import Eagle3Error
-from eagle3.features.format import (FORMAT, MANIFEST, TENSOR_KEYS, VERSION, Record, part_manifest_name, sample_layout,
+from eagle3.features.format import (AUX_BF16, FORMAT, MANIFEST, VERSION, Record, part_manifest_name, sample_layout,
                                     shard_name)
 from eagle3.features.reader import load_manifest
 from eagle3.io import sha256_file, write_json_atomic
@@ -261,7 +261,8 @@ class FeatureWriter:
                 f"shard {index}: records {got[:3]}... do not match the planned samples {expected[:3]}... "
                 "(every planned sample must be recorded in order or listed as dropped)"
             )
-        tensors_per = [r.tensors() for r in records]
+        aux_dtype = (self.manifest.get("metadata") or {}).get("capture", {}).get("aux_dtype", AUX_BF16)
+        tensors_per = [r.tensors(aux_dtype) for r in records]
         entry: dict[str, Any] = {
             "index": index,
             "file": None,
@@ -276,7 +277,7 @@ class FeatureWriter:
             lengths = [t["input_ids"].shape[0] for t in tensors_per]
             offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
             offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
-            flat = {k: torch.cat([t[k] for t in tensors_per]) for k in TENSOR_KEYS}
+            flat = {k: torch.cat([t[k] for t in tensors_per]) for k in tensors_per[0]}
             flat["offsets"] = offsets
             name = shard_name(index)
             tmp = self.out_dir / (name + ".tmp")
