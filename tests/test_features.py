@@ -119,6 +119,19 @@ def test_fp8_folder_reads_back_as_bf16_in_half_the_bytes(tmp_path):
     assert len(both) == 2 * len(a) and both[len(a)]["aux_hidden_states"].dtype == torch.bfloat16
 
 
+def test_a_shard_whose_aux_storage_does_not_match_its_scales_is_refused(tmp_path):
+    """fp8 aux states without their scales (or bf16 ones with scales) are named, not trained on."""
+    from safetensors.torch import load_file, save_file
+
+    write_all(tmp_path, meta={**META, "capture": {"top_k": K, "aux_dtype": AUX_FP8}})
+    shard = tmp_path / load_manifest(tmp_path)["shards"][0]["file"]
+    t = load_file(str(shard))
+    del t["aux_scales"]
+    save_file(t, str(shard))
+    with pytest.raises(Eagle3Error, match=r"stores aux_hidden_states as F8_E4M3 without aux_scales"):
+        FeatureDataset(tmp_path, verify=False)[0]
+
+
 def test_roundtrip_and_counts(tmp_path):
     m = write_all(tmp_path)
     assert m["complete"] and len(m["shards"]) == 3

@@ -206,6 +206,11 @@ class FeatureDataset(Dataset):
             self._handles[f] = h
             self._offsets[f] = h.get_tensor("offsets")
             self._fp8[f] = "aux_scales" in h.keys()
+            stored = h.get_slice("aux_hidden_states").get_dtype()
+            if stored != ("F8_E4M3" if self._fp8[f] else "BF16"):
+                raise Eagle3Error(f"the features shard {f} stores aux_hidden_states as {stored}"
+                                  f"{' with' if self._fp8[f] else ' without'} aux_scales (eagle3.features.format wants "
+                                  "BF16 alone or F8_E4M3 with scales); extract that folder again into a fresh output_dir")
         return h
 
     def __getitem__(self, i: int) -> dict[str, Any]:
