@@ -203,6 +203,10 @@ def test_fp8_aux_storage_extracts_the_same_samples_in_fewer_bytes(tiny_target_di
             for k in ("input_ids", "loss_mask", "topk_ids"):
                 assert torch.equal(x[k], y[k]), k
             assert torch.equal(y["aux_hidden_states"], features.dequantize_aux(*features.quantize_aux(x["aux_hidden_states"])))
+    cfg = _cfg(tiny_target_dir, tmp_path, data, tmp_path / "bf16")  # resuming a bf16 folder as fp8 is refused
+    cfg.capture.aux_dtype = "float8_e4m3fn"
+    with pytest.raises(Eagle3Error, match="aux_dtype"):
+        run_extract(cfg)
     cfg = _cfg(tiny_target_dir, tmp_path, data, tmp_path / "bad")
     cfg.capture.aux_dtype = "fp8"
     with pytest.raises(Eagle3Error, match="capture.aux_dtype=fp8 must be one of bfloat16, float8_e4m3fn"):
