@@ -19,7 +19,7 @@ from toy import embed, make_cfg, tiny_target, write_features
         ("loop.epochs", 0), ("loop.max_steps", 0), ("loop.max_tokens_per_batch", 4), ("loop.grad_accum", 0),
         ("loop.log_every", 0), ("loop.save_every", 0), ("loop.eval_every", 0), ("loop.num_workers", -1), ("loop.time_limit_min", 0.0), ("loop.train_fraction", 0.0),
         ("loop.train_fraction", 1.5),
-        ("loop.mixed_precision", "fp8"), ("loop.tracker", "wandb"), ("drafter.ttt_steps", 0),
+        ("loop.mixed_precision", "fp8"), ("loop.tracker", "wandb"), ("drafter.ttt_steps", 0), ("drafter.feature_noise", -0.1),
         ("drafter.step_weight", 0.0), ("drafter.lm_head_init", "zeros"), ("drafter.ttt_chain_chunk", 0),
     ],
 )

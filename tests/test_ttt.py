@@ -9,6 +9,7 @@ from transformers import DynamicCache
 from eagle3.train.drafter import DrafterArch, Eagle3Drafter
 from eagle3.train.ttt import (
     TTTCollator,
+    add_feature_noise,
     chain_acceptance,
     kl_loss,
     step_input_ids,
@@ -293,3 +294,26 @@ def test_chain_mask_chunk_ends_are_the_largest_prefix_in_each_chunk():
     cm = ChainMask.create(rows, T=12, chunk=2)
     assert cm.ends == [6, 9, 10]  # max(rows[:, 0:2]) + 1, max(rows[:, 2:4]) + 1, max(rows[:, 4:5]) + 1
     assert cm.at(3).step == 3 and cm.at(3).ends is cm.ends
+
+
+def test_feature_noise_is_relative_per_aux_state_and_only_in_training_mode():
+    """add_feature_noise: per token and aux layer, the added noise's RMS is sigma x the state's RMS
+    (statistically, over 4,096 elements per state: three layers at scales 1e-2, 1 and 1e2); the
+    TTT unroll adds it in training mode only (eval mode equals the noise-free unroll exactly)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 3, 4096, generator=g) * torch.tensor([1e-2, 1.0, 1e2])[None, None, :, None]
+    torch.manual_seed(1)
+    y = add_feature_noise(x.view(2, 3, -1), 0.1).view_as(x)
+    ratio = (y - x).pow(2).mean(-1).sqrt() / x.pow(2).mean(-1).sqrt()  # [2, 3, 3]
+    assert ratio.sub(0.1).abs().max() < 0.005 and y.dtype == x.dtype
+    assert torch.equal(add_feature_noise(x.view(2, 3, -1), 0.0).view_as(x), x)
+    torch.manual_seed(2)
+    m = Eagle3Drafter(ARCH)
+    b = TTTCollator(T2D_INDEX, ttt_steps=3, max_length=64)([twelve_token_sample()])
+    m.eval()
+    clean = ttt_forward(m, b, 3, return_logits=True)
+    noisy_eval = ttt_forward(m, b, 3, return_logits=True, feature_noise=0.5)
+    assert all(torch.equal(a, c) for a, c in zip(clean.logits, noisy_eval.logits))
+    m.train()
+    noisy = ttt_forward(m, b, 3, return_logits=True, feature_noise=0.5)
+    assert not torch.allclose(noisy.logits[0], clean.logits[0])

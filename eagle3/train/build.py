@@ -221,7 +221,8 @@ def _ttt_model(arch: DrafterArch, d2t: torch.Tensor, t2d: torch.Tensor, embed: t
     if dcfg.lm_head_init not in ("random", "target"):
         raise Eagle3Error(f"drafter.lm_head_init={dcfg.lm_head_init!r}; use random or target")
     drafter.init_from_target(embed, lm_head if dcfg.lm_head_init == "target" else None)
-    return TTTModel(drafter, dcfg.ttt_steps, dcfg.step_weight, getattr(dcfg, "ttt_chain_chunk", None))
+    return TTTModel(drafter, dcfg.ttt_steps, dcfg.step_weight, getattr(dcfg, "ttt_chain_chunk", None),
+                    feature_noise=float(getattr(dcfg, "feature_noise", 0.0)))
 
 
 def _total_steps(plan: BatchPlan, lcfg, num_samples: int) -> int:

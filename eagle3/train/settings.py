@@ -51,6 +51,7 @@ def _bad_setting(cfg: Any) -> Optional[str]:
          f"must be one of {', '.join(MIXED_PRECISION)}"),
         ("loop.tracker", lp.tracker, lp.tracker in ("tensorboard", "none"), "must be tensorboard or none"),
         ("drafter.ttt_steps", d.ttt_steps, d.ttt_steps >= 1, "must be >= 1"),
+        ("drafter.feature_noise", d.feature_noise, 0 <= d.feature_noise < 10, "must be in [0, 10) (relative to each state's RMS)"),
         ("drafter.step_weight", d.step_weight, d.step_weight > 0, "must be > 0"),
         ("drafter.ttt_chain_chunk", d.ttt_chain_chunk, d.ttt_chain_chunk is None or d.ttt_chain_chunk >= 1,
          "must be >= 1 (chain rows per attention chunk) or null"),

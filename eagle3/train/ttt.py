@@ -280,6 +280,16 @@ class TTTOutput:
     logits: list | None = None
 
 
+def add_feature_noise(aux: torch.Tensor, sigma: float, num_aux: int = 3) -> torch.Tensor:
+    """``aux [B, T, num_aux * Ht]`` plus Gaussian noise of standard deviation ``sigma`` times the
+    RMS of each aux state (per token and aux layer), in ``aux``'s dtype; draws from torch's
+    global generator (checkpointed with the run's RNG state)."""
+    B, T, D = aux.shape
+    x = aux.float().view(B, T, num_aux, D // num_aux)
+    rms = x.pow(2).mean(-1, keepdim=True).sqrt()
+    return (x + torch.randn_like(x) * rms * sigma).view(B, T, D).to(aux.dtype)
+
+
 def ttt_forward(
     drafter: Eagle3Drafter,
     batch: dict,
@@ -287,6 +297,7 @@ def ttt_forward(
     step_weight: float = 0.8,
     return_logits: bool = False,
     chain_chunk: int | None = None,
+    feature_noise: float = 0.0,
 ) -> TTTOutput:
     """Unroll ``ttt_steps`` draft steps over a collated batch (see module docstring).
 
@@ -296,6 +307,11 @@ def ttt_forward(
         batch: from :class:`TTTCollator`, on the drafter's device.
         chain_chunk: steps ``>= 1`` attend per chunk of this many chain rows
             (:class:`ChainMask`); None = one dense mask per step.
+        feature_noise: while the drafter is in training mode, add Gaussian noise of this
+            standard deviation relative to each aux state's RMS (per token and aux layer) to
+            the aux hidden states before ``fc``: a regulariser in the spirit of EAGLE's
+            uniform feature noise (Li et al., 2024), scaled per layer because the three aux
+            layers' magnitudes differ by orders of magnitude. 0 = off; never in eval mode.
 
     Returns:
         :class:`TTTOutput`. Runs in the caller's autocast context; the loss is
@@ -305,6 +321,8 @@ def ttt_forward(
     B, T = ids.shape
     dev = ids.device
     aux = batch["aux_hidden_states"]
+    if feature_noise > 0 and drafter.training:
+        aux = add_feature_noise(aux, feature_noise)
     if not torch.is_autocast_enabled(dev.type):
         aux = aux.to(drafter.fc.weight.dtype)
     hidden = drafter.fuse(aux)  # [B, T, 3*Ht] -> [B, T, H]
@@ -363,16 +381,20 @@ class TTTModel(nn.Module):
     """Wraps a drafter so that one ``forward(batch)`` is the whole TTT unroll
     (what Accelerate prepares: autocast and, with several processes, DDP apply)."""
 
-    def __init__(self, drafter: Eagle3Drafter, ttt_steps: int, step_weight: float, chain_chunk: int | None = None):
+    def __init__(self, drafter: Eagle3Drafter, ttt_steps: int, step_weight: float, chain_chunk: int | None = None,
+                 feature_noise: float = 0.0):
         super().__init__()
         self.drafter = drafter
         self.ttt_steps = ttt_steps
         self.step_weight = step_weight
         self.chain_chunk = chain_chunk
+        self.feature_noise = feature_noise
 
     def forward(self, batch: dict) -> TTTOutput:
-        """:func:`ttt_forward` of the wrapped drafter over a collated batch."""
-        return ttt_forward(self.drafter, batch, self.ttt_steps, self.step_weight, chain_chunk=self.chain_chunk)
+        """:func:`ttt_forward` of the wrapped drafter over a collated batch (feature noise only
+        while the drafter is in training mode)."""
+        return ttt_forward(self.drafter, batch, self.ttt_steps, self.step_weight, chain_chunk=self.chain_chunk,
+                           feature_noise=self.feature_noise)
 
 
 def summarize(step_stats: torch.Tensor, accepted: float, num_chains: int, step_weight: float) -> dict:
