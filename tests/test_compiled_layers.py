@@ -69,6 +69,9 @@ def test_attention_kept_outside_the_compiled_layers_gives_the_same_rows():
         seqs = seqs_of(lengths, seed=20 + i)
         assert dec.generate(seqs, 8, stop_ids=[], pad_id=0) == reference(eager, seqs, 8)
     assert sum(counters["graph_break"].values()) > 0  # the disabled sdpa call splits each layer
+    assert compile_decoder_layers(split, attention_in_graph=False) == 0  # idempotent
+    with pytest.raises(Eagle3Error, match="already compiled with the attention outside"):
+        compile_decoder_layers(split)  # attention_in_graph=True on layers compiled without it
     with pytest.raises(Eagle3Error, match="attn_implementation='sdpa'"):
         compile_decoder_layers(tiny_drafter(eager), attention_in_graph=False)
 

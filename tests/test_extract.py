@@ -205,7 +205,7 @@ def test_fp8_aux_storage_extracts_the_same_samples_in_fewer_bytes(tiny_target_di
             assert torch.equal(y["aux_hidden_states"], features.dequantize_aux(*features.quantize_aux(x["aux_hidden_states"])))
     cfg = _cfg(tiny_target_dir, tmp_path, data, tmp_path / "bf16")  # resuming a bf16 folder as fp8 is refused
     cfg.capture.aux_dtype = "float8_e4m3fn"
-    with pytest.raises(Eagle3Error, match="aux_dtype"):
+    with pytest.raises(Eagle3Error, match=r"capture.aux_dtype \('bfloat16' vs 'float8_e4m3fn'\)"):
         run_extract(cfg)
     cfg = _cfg(tiny_target_dir, tmp_path, data, tmp_path / "bad")
     cfg.capture.aux_dtype = "fp8"

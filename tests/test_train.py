@@ -63,6 +63,21 @@ def test_train_fraction_trains_on_its_subset_only(tmp_path):
     assert seen[0.5] == sub and seen[1.0] == set(ids) and len(sub) == round(len(ids) / 2)
 
 
+def test_with_feature_noise_a_resumed_run_still_equals_the_uninterrupted_one(tmp_path):
+    """The noise of each micro-batch comes from a generator seeded by its global index, so
+    3 steps + resume + 2 give the same drafter as 5 steps; without the seeding they differ."""
+    write_features(tmp_path / "f", n=30)
+    tgt, E = tiny_target(), embed()
+    over = {"loop.max_steps": 5, "drafter.feature_noise": 0.2}
+    train_drafter(make_cfg(tmp_path / "f", tmp_path / "a", **over), tgt, E)
+    train_drafter(make_cfg(tmp_path / "f", tmp_path / "b", **over), tgt, E, stop_after=3)
+    train_drafter(make_cfg(tmp_path / "f", tmp_path / "b", **over), tgt, E)
+    train_drafter(make_cfg(tmp_path / "f", tmp_path / "c", **{"loop.max_steps": 5}), tgt, E)
+    ea, eb, ec = (load_file(str(tmp_path / d / "export" / "sglang" / "model.safetensors")) for d in "abc")
+    assert all(torch.equal(ea[k], eb[k]) for k in ea)
+    assert not all(torch.equal(ea[k], ec[k]) for k in ea)  # the noise did change the drafter
+
+
 def test_five_steps_equal_three_plus_resume_plus_two(tmp_path):
     write_features(tmp_path / "f", n=30)
     tgt, E = tiny_target(), embed()

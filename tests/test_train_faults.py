@@ -42,6 +42,34 @@ def test_the_corrected_command_runs_in_the_same_folder(tmp_path):
     assert m["step"] == 2 and (out / "export" / "sglang" / "model.safetensors").is_file()
 
 
+def test_a_train_fraction_too_small_for_one_step_is_named_and_the_raised_one_runs_in_the_same_folder(tmp_path):
+    write_features(tmp_path / "f", n=12)  # 10 training samples
+    out = tmp_path / "o"
+    tiny = {"loop.train_fraction": 0.1, "loop.grad_accum": 2, "loop.max_steps": 1}
+    with pytest.raises(Eagle3Error, match=r"1 training samples \(loop.train_fraction=0.1 of 10; raise it\)"):
+        train_drafter(make_cfg(tmp_path / "f", out, **tiny), tiny_target(), embed())
+    assert not (out / "train_config.json").exists()
+    m = train_drafter(make_cfg(tmp_path / "f", out, **{**tiny, "loop.train_fraction": 1.0}), tiny_target(), embed())
+    assert m["step"] == 1 and m["train_samples"] == 10
+
+
+def test_a_record_written_before_a_setting_existed_resumes_with_its_old_value(tmp_path):
+    """drafter.feature_noise and loop.train_fraction came later: a record without them reads as
+    0 and 1 (what runs did before), so an unchanged command resumes; another value is refused."""
+    import json
+
+    write_features(tmp_path / "f", n=12)
+    out = tmp_path / "o"
+    train_drafter(make_cfg(tmp_path / "f", out, **{"loop.max_steps": 2}), tiny_target(), embed(), stop_after=1)
+    rec = json.loads((out / "train_config.json").read_text())
+    del rec["drafter"]["feature_noise"], rec["loop"]["train_fraction"]
+    (out / "train_config.json").write_text(json.dumps(rec))
+    with pytest.raises(Eagle3Error, match=r"loop.train_fraction=1.0, now 0.5"):
+        train_drafter(make_cfg(tmp_path / "f", out, **{"loop.max_steps": 2, "loop.train_fraction": 0.5}),
+                      tiny_target(), embed())
+    assert train_drafter(make_cfg(tmp_path / "f", out, **{"loop.max_steps": 2}), tiny_target(), embed())["step"] == 2
+
+
 def test_features_that_are_mostly_nan_stop_the_run_before_any_export(tmp_path, caplog):
     write_features(tmp_path / "f", n=12, nan_ids=tuple(f"s{i}" for i in range(12)))
     out = tmp_path / "o"

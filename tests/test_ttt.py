@@ -307,6 +307,12 @@ def test_feature_noise_is_relative_per_aux_state_and_only_in_training_mode():
     ratio = (y - x).pow(2).mean(-1).sqrt() / x.pow(2).mean(-1).sqrt()  # [2, 3, 3]
     assert ratio.sub(0.1).abs().max() < 0.005 and y.dtype == x.dtype
     assert torch.equal(add_feature_noise(x.view(2, 3, -1), 0.0).view_as(x), x)
+    # seeded generators repeat the draw; a state with a 1e30 element stays finite (no float32 overflow)
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    assert torch.equal(add_feature_noise(x.view(2, 3, -1), 0.1, g1), add_feature_noise(x.view(2, 3, -1), 0.1, g2))
+    big = torch.ones(1, 1, 3 * 8)
+    big[0, 0, 2] = 1e30
+    assert add_feature_noise(big, 0.1).isfinite().all()
     torch.manual_seed(2)
     m = Eagle3Drafter(ARCH)
     b = TTTCollator(T2D_INDEX, ttt_steps=3, max_length=64)([twelve_token_sample()])

@@ -142,9 +142,10 @@ def quantize_aux(aux: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Aux states ``[T, 3, H]`` (any float dtype) -> ``(q [T, 3, H] float8_e4m3fn, scales [T, 3]
     float32)`` with ``scales = absmax over H / 448`` (the per-token, per-tensor scaling of
     FP8 activation quantization, e.g. vLLM's dynamic per-token FP8): each state's largest
-    element maps to E4M3's largest finite value, and every element keeps 3 mantissa bits
-    (relative error at most 2^-4 above E4M3's normal range, ``2^-6 * scale``, an absolute
-    ``2^-10 * scale`` below it). An all-zero state gets scale 1. A state with a NaN or an
+    element maps to E4M3's largest finite value, and every element keeps 3 mantissa bits:
+    ``q * scale`` is within a relative 2^-4 of the element above E4M3's normal range
+    (``2^-6 * scale``) and within an absolute ``2^-10 * scale`` below it; the bf16 result of
+    :func:`dequantize_aux` adds bf16's own rounding (relative 2^-9) to that. An all-zero state gets scale 1. A state with a NaN or an
     infinity gets a non-finite scale and dequantizes to NaN."""
     x = aux.float()
     amax = x.abs().amax(dim=-1)  # [T, 3]; NaN or inf propagate

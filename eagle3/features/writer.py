@@ -34,6 +34,14 @@ def _normalise(obj: Any) -> Any:
     return json.loads(json.dumps(obj, sort_keys=True))
 
 
+def _with_aux_dtype(metadata: dict) -> dict:
+    """``metadata`` with ``capture.aux_dtype`` spelled out where it is absent (= bfloat16), so that
+    a difference names both storages."""
+    if not isinstance(metadata.get("capture"), dict) or "aux_dtype" in metadata["capture"]:
+        return metadata
+    return {**metadata, "capture": {**metadata["capture"], "aux_dtype": AUX_BF16}}
+
+
 def _first_difference(a: Any, b: Any, prefix: str = "") -> str | None:
     """The first dotted key where ``a`` and ``b`` differ, with both values; None when equal."""
     if isinstance(a, dict) and isinstance(b, dict):
@@ -127,7 +135,7 @@ class FeatureWriter:
         if path.exists():
             manifest = load_manifest(out_dir, require_complete=False, name=name)
             _adopt_sample_layout(out_dir, manifest["metadata"], metadata)
-            diff = _first_difference(manifest["metadata"], metadata)
+            diff = _first_difference(_with_aux_dtype(manifest["metadata"]), _with_aux_dtype(metadata))
             if diff:
                 stored = (manifest["metadata"].get("capture") or {}).get("plan_order", "source")
                 hint = (f"; that folder was planned in {stored} order: resume it with capture.plan_order={stored}"

@@ -128,9 +128,14 @@ def compile_decoder_layers(model, attention_in_graph: bool = True) -> int:
         how many modules were compiled now (``L + 1`` the first time, 0 after).
 
     Raises:
-        Eagle3Error: as :func:`decoder_layers` and :func:`use_sdpa_outside_compile`.
+        Eagle3Error: as :func:`decoder_layers` and :func:`use_sdpa_outside_compile`; layers
+            already compiled with the other ``attention_in_graph``.
     """
     owner = _owner(model)
+    outside = getattr(getattr(model, "config", None), "_attn_implementation", None) == SDPA_OUTSIDE_COMPILE
+    if layers_compiled(model) and outside == attention_in_graph:
+        raise Eagle3Error(f"the layers of this {type(model).__name__} are already compiled with the attention "
+                          f"{'outside' if outside else 'inside'} the compiled code; compile a fresh copy to change it")
     if not attention_in_graph:
         use_sdpa_outside_compile(model)
     torch._dynamo.config.allow_unspec_int_on_nn_module = True  # layer_idx: one compilation for all layers

@@ -121,6 +121,13 @@ def build_run(cfg: Any, target: Any, embed: torch.Tensor, lm_head: Optional[torc
     # the optimizer step's global batch; grad_accum and the process count may change on resume as long as
     # their product does not (2 processes x grad_accum 1 resume as 1 process x grad_accum 2)
     micro_batches_per_step = cfg.loop.grad_accum * accelerator.num_processes
+    # the plan before anything is written: a plan without one whole optimizer step is refused first
+    plan = BatchPlan(train_ds.lengths, max_tokens, cfg.seed, cfg.loop.grad_accum, accelerator.num_processes,
+                     samples=train_subset(len(train_ds), cfg.loop.train_fraction, cfg.seed))
+    if plan.samples is not None:
+        log.info("training on %d of %d training samples (loop.train_fraction=%s)", plan.num_samples,
+                 len(train_ds), cfg.loop.train_fraction)
+    total_steps = _total_steps(plan, cfg.loop, len(train_ds))
     record = run_record(cfg, dirs, micro_batches_per_step)
     if accelerator.is_main_process:
         check_resume_record(output_dir, record)
@@ -138,12 +145,6 @@ def build_run(cfg: Any, target: Any, embed: torch.Tensor, lm_head: Optional[torc
         fused=device.type == "cuda",
     )
 
-    plan = BatchPlan(train_ds.lengths, max_tokens, cfg.seed, cfg.loop.grad_accum, accelerator.num_processes,
-                     samples=train_subset(len(train_ds), cfg.loop.train_fraction, cfg.seed))
-    if plan.samples is not None:
-        log.info("training on %d of %d training samples (loop.train_fraction=%s)", plan.num_samples,
-                 len(train_ds), cfg.loop.train_fraction)
-    total_steps = _total_steps(plan, cfg.loop, plan.num_samples)
     scheduler = _scheduler(ocfg, optimizer, total_steps)
     state = TrainState()
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -225,7 +226,7 @@ def _ttt_model(arch: DrafterArch, d2t: torch.Tensor, t2d: torch.Tensor, embed: t
                     feature_noise=float(getattr(dcfg, "feature_noise", 0.0)))
 
 
-def _total_steps(plan: BatchPlan, lcfg, num_samples: int) -> int:
+def _total_steps(plan: BatchPlan, lcfg, split_samples: int) -> int:
     """Optimizer steps of the run: ``loop.max_steps``, else every epoch's whole steps.
 
     Raises:
@@ -233,9 +234,11 @@ def _total_steps(plan: BatchPlan, lcfg, num_samples: int) -> int:
     """
     steps_per_epoch = plan.steps_per_epoch(lcfg.epochs)
     if steps_per_epoch[0] == 0:
+        fraction = (f" (loop.train_fraction={lcfg.train_fraction} of {split_samples}; raise it)"
+                    if plan.num_samples < split_samples else "")
         raise Eagle3Error(
-            f"{num_samples} training samples make fewer than grad_accum x processes = {plan.per_step} batches; "
-            "lower loop.grad_accum or loop.max_tokens_per_batch, or extract more data"
+            f"{plan.num_samples} training samples{fraction} make fewer than grad_accum x processes = {plan.per_step} "
+            "batches; lower loop.grad_accum or loop.max_tokens_per_batch, or extract more data"
         )
     return int(lcfg.max_steps) if lcfg.max_steps else sum(steps_per_epoch)
 

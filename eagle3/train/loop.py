@@ -166,6 +166,8 @@ def train_loop(run: Run, stop_after: Optional[int] = None,
             _count_skipped(progress, batch, state.step)
             if on_batch is not None:
                 on_batch(state.step, list(batch["sample_ids"]))
+            # the feature noise of this micro-batch: a function of its global index, whatever the split
+            acc.unwrap_model(run.model).noise_seed = noise_seed(run.cfg.seed, state.epoch, g0 + acc.process_index)
             _train_micro_batch(run, batch, interval)
             # counters in global units, identical on every process (checkpoints hold the main process's)
             round_tokens = run.plan.round_tokens(epoch_batches, g0)
@@ -200,6 +202,12 @@ def train_loop(run: Run, stop_after: Optional[int] = None,
     pbar.close()
     fold_run_stats(run, interval)  # before the checkpoint of stop() or finish()
     return progress
+
+
+def noise_seed(seed: int, epoch: int, micro_batch: int) -> int:
+    """The feature-noise generator seed of global micro-batch ``micro_batch`` of ``epoch``
+    (:class:`eagle3.train.ttt.TTTModel`): the same on a resume and for any process count."""
+    return ((((int(seed) % 2**23) << 16 | int(epoch) % 2**16) << 24) | int(micro_batch) % 2**24)  # < 2**63
 
 
 def _time_is_up(run: Run) -> bool:

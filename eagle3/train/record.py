@@ -26,6 +26,11 @@ RESUMABLE_KEYS = ("loop.grad_accum", "loop.log_every", "loop.save_every", "loop.
                   "export", "device", "cache_dir", "output_dir")
 
 
+# Settings added after records were first written, with the value that reproduces what runs did
+# before them: a record without one is read as holding that value (so an unchanged command resumes).
+ADDED_SETTINGS = {"drafter.feature_noise": 0.0, "loop.train_fraction": 1.0}
+
+
 def flatten(d: Any, prefix: str = "") -> dict:
     """A nested dict as ``{"a.b.c": leaf}``; lists and scalars are leaves."""
     if isinstance(d, dict):
@@ -80,7 +85,8 @@ def run_record(cfg: Any, dirs: list[Path], micro_batches_per_step: int) -> dict:
 def check_resume_record(output_dir: Path, record: dict) -> None:
     """Write ``record`` as ``<output_dir>/train_config.json`` on the first launch; on later
     ones compare it with the stored record, settings in :data:`RESUMABLE_KEYS` excepted
-    (a record written before they were left out may still hold them).
+    (a record written before they were left out may still hold them); a setting of
+    :data:`ADDED_SETTINGS` missing from an older record counts as its listed value.
 
     Raises:
         Eagle3Error: a setting differs from the run stored in ``output_dir``.
@@ -89,7 +95,7 @@ def check_resume_record(output_dir: Path, record: dict) -> None:
     if not path.exists():
         write_json_atomic(path, record)
         return
-    old = flatten(json.loads(path.read_text()))
+    old = {**ADDED_SETTINGS, **flatten(json.loads(path.read_text()))}
     new = flatten(json.loads(json.dumps(record)))
     for k in sorted(set(old) | set(new)):
         if _resumable(k):
