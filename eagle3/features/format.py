@@ -145,8 +145,9 @@ def quantize_aux(aux: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     element maps to E4M3's largest finite value, and every element keeps 3 mantissa bits:
     ``q * scale`` is within a relative 2^-4 of the element above E4M3's normal range
     (``2^-6 * scale``) and within an absolute ``2^-10 * scale`` below it; the bf16 result of
-    :func:`dequantize_aux` adds bf16's own rounding (relative 2^-9) to that. An all-zero state gets scale 1. A state with a NaN or an
-    infinity gets a non-finite scale and dequantizes to NaN."""
+    :func:`dequantize_aux` adds bf16's own rounding (relative 2^-9) to that. An all-zero
+    state gets scale 1. A state with a NaN or an infinity gets a non-finite scale and
+    dequantizes to NaN."""
     x = aux.float()
     amax = x.abs().amax(dim=-1)  # [T, 3]; NaN or inf propagate
     scales = torch.where(amax == 0, torch.ones_like(amax), amax / FP8_MAX)
