@@ -220,7 +220,7 @@ class DrafterConfig:
     # the same result, fewer keys computed); null = one dense mask per step
     ttt_chain_chunk: Optional[int] = None
     # training only: Gaussian noise on the aux hidden states, this std relative to each state's RMS
-    # (eagle3.train.ttt.add_feature_noise; a regulariser, EAGLE's feature noise); 0 = off
+    # (eagle3.train.noise; a regulariser, EAGLE's feature noise); 0 = off
     feature_noise: float = 0.0
 
 

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from eagle3.errors import Eagle3Error
 from eagle3.train.build import Run
 from eagle3.train.checkpoint import save_checkpoint
+from eagle3.train.noise import noise_seed
 from eagle3.train.ttt import batch_to, summarize
 from eagle3.train.validation import validate
 
@@ -202,12 +203,6 @@ def train_loop(run: Run, stop_after: Optional[int] = None,
     pbar.close()
     fold_run_stats(run, interval)  # before the checkpoint of stop() or finish()
     return progress
-
-
-def noise_seed(seed: int, epoch: int, micro_batch: int) -> int:
-    """The feature-noise generator seed of global micro-batch ``micro_batch`` of ``epoch``
-    (:class:`eagle3.train.ttt.TTTModel`): the same on a resume and for any process count."""
-    return ((((int(seed) % 2**23) << 16 | int(epoch) % 2**16) << 24) | int(micro_batch) % 2**24)  # < 2**63
 
 
 def _time_is_up(run: Run) -> bool:

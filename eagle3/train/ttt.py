@@ -47,6 +47,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from eagle3.train.drafter import Eagle3Drafter
+from eagle3.train.noise import add_feature_noise
 from eagle3.train.ttt_attention import ChainMask, ttt_attention_mask  # noqa: F401  (ttt_attention_mask: re-exported)
 
 
@@ -280,23 +281,6 @@ class TTTOutput:
     logits: list | None = None
 
 
-def add_feature_noise(aux: torch.Tensor, sigma: float, generator: Optional[torch.Generator] = None,
-                      num_aux: int = 3) -> torch.Tensor:
-    """``aux [B, T, num_aux * Ht]`` plus Gaussian noise of standard deviation ``sigma`` times the
-    RMS of each aux state (per token and aux layer), in ``aux``'s dtype. The RMS is taken on
-    the state divided by its absmax, so no finite state overflows float32. ``generator`` (on
-    ``aux``'s device; None = torch's global one) makes the draws reproducible: training seeds
-    one per micro-batch (:class:`TTTModel`'s ``noise_seed``), so a resumed run and any split of
-    the global batch over processes draw the same noise."""
-    B, T, D = aux.shape
-    x = aux.float().view(B, T, num_aux, D // num_aux)
-    amax = x.abs().amax(-1, keepdim=True)
-    amax = torch.where(amax > 0, amax, torch.ones_like(amax))
-    rms = (x / amax).pow(2).mean(-1, keepdim=True).sqrt() * amax
-    noise = torch.randn(x.shape, generator=generator, device=x.device, dtype=torch.float32)
-    return (x + noise * rms * sigma).view(B, T, D).to(aux.dtype)
-
-
 def ttt_forward(
     drafter: Eagle3Drafter,
     batch: dict,
@@ -304,8 +288,6 @@ def ttt_forward(
     step_weight: float = 0.8,
     return_logits: bool = False,
     chain_chunk: int | None = None,
-    feature_noise: float = 0.0,
-    noise_generator: Optional[torch.Generator] = None,
 ) -> TTTOutput:
     """Unroll ``ttt_steps`` draft steps over a collated batch (see module docstring).
 
@@ -315,12 +297,6 @@ def ttt_forward(
         batch: from :class:`TTTCollator`, on the drafter's device.
         chain_chunk: steps ``>= 1`` attend per chunk of this many chain rows
             (:class:`ChainMask`); None = one dense mask per step.
-        feature_noise: while the drafter is in training mode, add Gaussian noise of this
-            standard deviation relative to each aux state's RMS (per token and aux layer) to
-            the aux hidden states before ``fc``: a regulariser in the spirit of EAGLE's
-            uniform feature noise (Li et al., 2024), scaled per layer because the three aux
-            layers' magnitudes differ by orders of magnitude. 0 = off; never in eval mode.
-        noise_generator: the generator of that noise (:func:`add_feature_noise`).
 
     Returns:
         :class:`TTTOutput`. Runs in the caller's autocast context; the loss is
@@ -330,8 +306,6 @@ def ttt_forward(
     B, T = ids.shape
     dev = ids.device
     aux = batch["aux_hidden_states"]
-    if feature_noise > 0 and drafter.training:
-        aux = add_feature_noise(aux, feature_noise, noise_generator)
     if not torch.is_autocast_enabled(dev.type):
         aux = aux.to(drafter.fc.weight.dtype)
     hidden = drafter.fuse(aux)  # [B, T, 3*Ht] -> [B, T, H]
@@ -398,18 +372,15 @@ class TTTModel(nn.Module):
         self.step_weight = step_weight
         self.chain_chunk = chain_chunk
         self.feature_noise = feature_noise
-        # set by the training loop before each micro-batch (a function of the seed, the epoch and
-        # the global micro-batch index): the feature noise's generator seed; None = the global RNG
-        self.noise_seed: Optional[int] = None
+        self.noise_seed: Optional[int] = None  # set per micro-batch by the loop (eagle3.train.noise.noise_seed)
 
     def forward(self, batch: dict) -> TTTOutput:
         """:func:`ttt_forward` of the wrapped drafter over a collated batch (feature noise only
         while the drafter is in training mode, drawn from a generator seeded by ``noise_seed``)."""
-        gen = None
-        if self.feature_noise > 0 and self.drafter.training and self.noise_seed is not None:
-            gen = torch.Generator(device=batch["aux_hidden_states"].device).manual_seed(self.noise_seed)
-        return ttt_forward(self.drafter, batch, self.ttt_steps, self.step_weight, chain_chunk=self.chain_chunk,
-                           feature_noise=self.feature_noise, noise_generator=gen)
+        if self.feature_noise > 0 and self.drafter.training:
+            batch = {**batch, "aux_hidden_states": add_feature_noise(batch["aux_hidden_states"], self.feature_noise,
+                                                                     self.noise_seed)}
+        return ttt_forward(self.drafter, batch, self.ttt_steps, self.step_weight, chain_chunk=self.chain_chunk)
 
 
 def summarize(step_stats: torch.Tensor, accepted: float, num_chains: int, step_weight: float) -> dict:
