@@ -18,7 +18,8 @@ from toy import write_features
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "dist_train_worker.py"
-COMMON = ["loop.max_steps=4", "loop.save_every=1000"]
+# feature noise on: its per-micro-batch seeds must make N processes equal one and resumes exact as well
+COMMON = ["loop.max_steps=4", "loop.save_every=1000", "drafter.feature_noise=0.1"]
 
 
 def launch(features: Path, out: Path, processes: int, grad_accum: int, stop_after=None) -> None:
