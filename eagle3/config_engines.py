@@ -40,7 +40,10 @@ class HFEngineConfig:
     # eagle3.spec.compiled) so the CUDA graphs replay fused kernels. CUDA only (ignored on CPU).
     # null = auto: on for evaluation's batch-1 decoding in one process (one H200: plain decoding
     # 1.41x faster, speculative 1.24x; docs/performance.md; off with workers > 1), off for extraction (its batched decoder and
-    # capture were 4-6x slower compiled: a per-layer mask kernel; see docs/performance.md).
+    # capture were 4-6x slower with the attention compiled: a per-layer mask kernel). Set true for
+    # extraction, the hf engine keeps SDPA eager between the compiled pieces of each layer: its
+    # batched decoder then ran 1.15x the uncompiled one at batch 256 (docs/performance.md), not yet
+    # timed in a whole extraction.
     compile_layers: Optional[bool] = None
 
 

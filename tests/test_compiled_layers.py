@@ -132,6 +132,37 @@ def test_capture_with_compiled_layers_equals_eager(tiny_target_dir, tmp_path):
         eng.close()
 
 
+def test_engine_generation_restores_the_outside_compile_attention_for_capture(tiny_target_dir, tmp_path):
+    """An engine over layers compiled with SDPA kept eager (what engine.compile_layers=true does on
+    CUDA): generation switches to its own attention and back to the model's outside-compile key,
+    not to the configured name (which would trace SDPA into the layers again); greedy rows and
+    capture equal the eager engine's (float32)."""
+    from eagle3.config import HFEngineConfig, ModelConfig, SamplingConfig
+    from eagle3.engines import build_engine
+    from eagle3.engines.hf.engine import HFEngine
+
+    torch._dynamo.reset()
+    cfg = ModelConfig(name="tiny", source=str(tiny_target_dir), aux_layer_ids=[1, 4, 8])
+    eng = build_engine(cfg, HFEngineConfig(device="cpu", capture_batch_size=2, max_batch_tokens=128),
+                       tmp_path / "cache", None)
+    try:
+        eng.model.float()
+        prompts, smp = seqs_of([9, 30, 14], seed=6), SamplingConfig(max_new_tokens=5)
+        rows, eager = eng.generate(prompts, smp), eng.capture(seqs_of([9, 30, 14, 22], seed=4), top_k=8)
+        assert eng.info()["capture_attn"] == "sdpa"
+        compile_decoder_layers(eng.model, attention_in_graph=False)
+        split = HFEngine(eng.model, eng.tokenizer, eng.target, eng.cfg, eng.device)
+        assert split.info()["capture_attn"] == SDPA_OUTSIDE_COMPILE
+        assert split.generate(prompts, smp) == rows
+        assert eng.model.config._attn_implementation == SDPA_OUTSIDE_COMPILE  # restored after generation
+        got = split.capture(seqs_of([9, 30, 14, 22], seed=4), top_k=8)
+        for a, b in zip(got, eager):
+            torch.testing.assert_close(a.aux_hidden_states.float(), b.aux_hidden_states.float(), atol=1e-4, rtol=2 ** -7)
+            torch.testing.assert_close(a.topk_logprobs, b.topk_logprobs, atol=1e-4, rtol=1e-4)
+    finally:
+        eng.close()
+
+
 def test_compile_layers_setting_resolves_by_device_and_stage():
     from eagle3.spec.compiled import wants_compile
 

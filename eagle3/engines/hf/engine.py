@@ -194,10 +194,15 @@ class HFEngine(Engine):
             raise Eagle3Error(f"the loaded target has {n} layers but its config says {target.num_layers}")
         from eagle3.spec.compiled import compile_decoder_layers, wants_compile
 
-        # auto = off here: regeneration's batched decoder and capture ran 4-6x slower compiled
+        # auto = off here: with the attention compiled too, regeneration's batched decoder and
+        # capture ran 4-6x slower; with SDPA kept eager the decoder ran 1.15x the uncompiled one
+        # at batch 256 (docs/performance.md), not yet timed in a whole extraction
         self.compile_layers = wants_compile(getattr(engine_cfg, "compile_layers", None), device.type, default=False)
         if self.compile_layers:
-            compile_decoder_layers(model)
+            compile_decoder_layers(model, attention_in_graph=engine_cfg.attn_implementation != "sdpa")
+        # what capture attends with, and what generation_attention restores: the model's own
+        # (SDPA_OUTSIDE_COMPILE once compiled as above), not the configured name
+        self.capture_attn = getattr(model.config, "_attn_implementation", None) or engine_cfg.attn_implementation
 
     @classmethod
     def from_config(cls, model_cfg, engine_cfg, cache_dir, run_dir=None) -> "HFEngine":
@@ -219,6 +224,7 @@ class HFEngine(Engine):
             "dtype": str(next(self.model.parameters()).dtype).replace("torch.", ""),
             "attn_implementation": self.cfg.attn_implementation,
             "generate_attn": self.generate_attn,
+            "capture_attn": self.capture_attn,
             "compile_layers": self.compile_layers,
             "generate_cache": "static" if self.static_generate else ("graphs" if self.graph_generate else "dynamic"),
             "torch": torch.__version__,
@@ -230,7 +236,9 @@ class HFEngine(Engine):
     def generation_attention(self):
         """Context manager: inside it the model attends with ``self.generate_attn`` (what
         :meth:`generate` uses; on a CPU the GQA decode attention), after it with
-        ``engine.attn_implementation`` again (what :meth:`capture` uses)."""
+        ``self.capture_attn`` again (what :meth:`capture` uses: ``engine.attn_implementation``,
+        or :data:`eagle3.spec.compiled.SDPA_OUTSIDE_COMPILE` when the layers were compiled with
+        SDPA kept eager)."""
         if self.generate_attn == self.cfg.attn_implementation:
             yield
             return
@@ -238,7 +246,7 @@ class HFEngine(Engine):
         try:
             yield
         finally:
-            self.model.set_attn_implementation(self.cfg.attn_implementation)
+            self.model.set_attn_implementation(self.capture_attn)
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], sampling) -> list[list[int]]:
