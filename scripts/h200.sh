@@ -20,8 +20,11 @@
 # at a time: three sharing one H200 ran at 2.4 steps/s each against 12-14.5 alone
 # (docs/results.md, 2026-12-04). With a time budget: TRAIN_OVERRIDES="loop.time_limit_min=6".
 # A learning curve (what more data would buy): SWEEP="loop.train_fraction=0.25,0.5,1.0" with a fixed
-# TRAIN_OVERRIDES="loop.max_steps=..." (the FFN width was measured not to be the lever, 2026-12-04).
-# A regulariser for the training/validation gap: SWEEP="drafter.feature_noise=0,0.05,0.1".
+# TRAIN_OVERRIDES="loop.max_steps=..." (the FFN width was measured not to be the lever, 2026-12-04;
+# measured at 4,272 steps the same day: +0.110 replay tau for the last doubling, diminishing;
+# python -m eagle3.train.curve <run>/metrics.json ... tabulates and plots it).
+# A regulariser for the training/validation gap: SWEEP="drafter.feature_noise=0,0.05,0.1" (0.1 measured:
+# no gain, docs/results.md).
 # bench_regen (not in the default STAGES): benchmarks/regenerate_speed.py at batch 256. extract_gsm8k regenerates the train and validation splits that
 # extraction carves out of GSM8K's test set (1,259 of its 1,319 questions; there is no GSM8K train
 # set offline) into $RUN/features-gsm8k; train then reads both folders when that extraction
