@@ -149,10 +149,11 @@ def test_engine_generation_restores_the_outside_compile_attention_for_capture(ti
         eng.model.float()
         prompts, smp = seqs_of([9, 30, 14], seed=6), SamplingConfig(max_new_tokens=5)
         rows, eager = eng.generate(prompts, smp), eng.capture(seqs_of([9, 30, 14, 22], seed=4), top_k=8)
-        assert eng.info()["capture_attn"] == "sdpa"
+        assert eng.capture_attn == "sdpa"
         compile_decoder_layers(eng.model, attention_in_graph=False)
         split = HFEngine(eng.model, eng.tokenizer, eng.target, eng.cfg, eng.device)
-        assert split.info()["capture_attn"] == SDPA_OUTSIDE_COMPILE
+        assert split.capture_attn == SDPA_OUTSIDE_COMPILE
+        assert "capture_attn" not in split.info()  # info() is extraction metadata: a new key would refuse resumes
         assert split.generate(prompts, smp) == rows
         assert eng.model.config._attn_implementation == SDPA_OUTSIDE_COMPILE  # restored after generation
         got = split.capture(seqs_of([9, 30, 14, 22], seed=4), top_k=8)

@@ -224,7 +224,6 @@ class HFEngine(Engine):
             "dtype": str(next(self.model.parameters()).dtype).replace("torch.", ""),
             "attn_implementation": self.cfg.attn_implementation,
             "generate_attn": self.generate_attn,
-            "capture_attn": self.capture_attn,
             "compile_layers": self.compile_layers,
             "generate_cache": "static" if self.static_generate else ("graphs" if self.graph_generate else "dynamic"),
             "torch": torch.__version__,
