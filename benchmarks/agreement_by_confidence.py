@@ -29,6 +29,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from eagle3.errors import Eagle3Error  # noqa: E402
+
 EDGES = (0.0, 0.3, 0.5, 0.7, 0.9, 1.0 + 1e-6)
 
 
@@ -53,18 +55,14 @@ def binned(correct: torch.Tensor, p: torch.Tensor, edges=EDGES) -> list[dict]:
 
 def collect(ds, export: str, target: str, ttt_steps: int, max_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per TTT step: ``(correct [N_j] bool, p [N_j] float32)`` over every sample of ``ds``."""
-    from safetensors import safe_open
-
-    from eagle3.export.sglang import load_sglang_export
+    from eagle3.study.drafter_inputs import load_drafter
     from eagle3.train.data import length_bucketed_batches, make_loader
     from eagle3.train.ttt import TTTCollator, target_to_draft_index, ttt_forward
 
-    with safe_open(str(Path(target) / "model.safetensors"), framework="pt") as f:
-        key = next(k for k in f.keys() if k.endswith("embed_tokens.weight"))
-        embed = f.get_tensor(key).float()
-    drafter, _ = load_sglang_export(export, embed_tokens=embed, dtype=torch.float32)
+    drafter, _ = load_drafter(export, target)
     drafter.eval()
-    collator = TTTCollator(target_to_draft_index(drafter.d2t, embed.shape[0]), ttt_steps, max_tokens, pad_multiple=16)
+    collator = TTTCollator(target_to_draft_index(drafter.d2t, drafter.arch.vocab_size), ttt_steps, max_tokens,
+                           pad_multiple=16)
     batches = length_bucketed_batches(ds.lengths, max_tokens, seed=0, epoch=0)
     per_step: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(ttt_steps)]
     with torch.no_grad():
@@ -75,21 +73,27 @@ def collect(ds, export: str, target: str, ttt_steps: int, max_tokens: int) -> li
             out = ttt_forward(drafter, batch, ttt_steps, return_logits=True)
             for j, logits in enumerate(out.logits):
                 per_step[j].append((logits.argmax(-1) == batch["target_ids"][j][:, 0], batch["target_q"][j][:, 0]))
-    return [(torch.cat([c for c, _ in s]), torch.cat([p for _, p in s])) for s in per_step if s]
+    out = [(torch.cat([c for c, _ in s]), torch.cat([p for _, p in s])) for s in per_step if s]
+    if not out or out[0][0].numel() == 0:
+        raise Eagle3Error("no row of these features carries a generated token to score; pass features of "
+                          "regenerated replies")
+    return out
 
 
 def main(argv=None) -> list:
+    from eagle3.study.drafter_inputs import open_features, positive_int, writable_json
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--features", required=True)
     ap.add_argument("--drafter", required=True, help="an SGLang-format export folder")
     ap.add_argument("--target", required=True, help="the target's folder (its embedding table)")
-    ap.add_argument("--ttt-steps", type=int, default=3)
-    ap.add_argument("--max-tokens", type=int, default=8192, help="tokens per batch")
+    ap.add_argument("--ttt-steps", type=positive_int, default=3)
+    ap.add_argument("--max-tokens", type=positive_int, default=8192,
+                    help="tokens per batch (at least the longest sample)")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
-    from eagle3.features import FeatureDataset
-
-    ds = FeatureDataset([a.features], splits=("train", "validation", "test"))
+    out_path = writable_json(a.json)
+    ds = open_features(a.features, a.drafter, a.max_tokens)
     steps = [binned(c, p) for c, p in collect(ds, a.drafter, a.target, a.ttt_steps, a.max_tokens)]
     print(f"{len(ds)} samples of {a.features}; drafter {a.drafter}")
     print("TTT step | target top-1 prob | rows share | drafter agreement | share of misses")
@@ -97,11 +101,13 @@ def main(argv=None) -> list:
         for b in bins:
             agree = "-" if b["agreement"] is None else f"{b['agreement']:.3f}"
             print(f"{j} | [{b['bin'][0]:.1f}, {b['bin'][1]:.1f}) | {b['share']:.3f} | {agree} | {b['miss_share']:.3f}")
-    if a.json:
-        Path(a.json).write_text(json.dumps({"features": str(a.features), "drafter": str(a.drafter), "steps": steps},
-                                           indent=2))
+    if out_path:
+        out_path.write_text(json.dumps({"features": str(a.features), "drafter": str(a.drafter), "target": str(a.target),
+                                        "ttt_steps": a.ttt_steps, "steps": steps}, indent=2))
     return steps
 
 
 if __name__ == "__main__":
-    main()
+    from eagle3.cli import run_tool
+
+    run_tool(main)

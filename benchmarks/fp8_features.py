@@ -28,6 +28,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from eagle3.errors import Eagle3Error  # noqa: E402
+
 
 def fidelity(ds) -> list[dict]:
     """Per aux layer: mean and minimum cosine, and the relative L2 error of the FP8 round trip
@@ -50,19 +52,16 @@ def drafter_figures(ds, export: str, target: str, ttt_steps: int, fp8: bool, max
     """The validation figures of the export over ``ds`` (:func:`eagle3.train.validation.evaluate`)
     with the aux states as stored or through the FP8 round trip."""
     from accelerate import Accelerator
-    from safetensors import safe_open
 
-    from eagle3.export.sglang import load_sglang_export
     from eagle3.features import dequantize_aux, quantize_aux
+    from eagle3.study.drafter_inputs import load_drafter
     from eagle3.train.data import length_bucketed_batches, make_loader
     from eagle3.train.ttt import TTTCollator, TTTModel, target_to_draft_index
     from eagle3.train.validation import evaluate
 
-    with safe_open(str(Path(target) / "model.safetensors"), framework="pt") as f:
-        key = next(k for k in f.keys() if k.endswith("embed_tokens.weight"))
-        embed = f.get_tensor(key).float()
-    drafter, _ = load_sglang_export(export, embed_tokens=embed, dtype=torch.float32)
-    collator = TTTCollator(target_to_draft_index(drafter.d2t, embed.shape[0]), ttt_steps, max_tokens, pad_multiple=16)
+    drafter, _ = load_drafter(export, target)
+    collator = TTTCollator(target_to_draft_index(drafter.d2t, drafter.arch.vocab_size), ttt_steps, max_tokens,
+                           pad_multiple=16)
 
     class Source(torch.utils.data.Dataset):
         def __len__(self):
@@ -80,17 +79,20 @@ def drafter_figures(ds, export: str, target: str, ttt_steps: int, fp8: bool, max
 
 
 def main(argv=None) -> dict:
+    from eagle3.study.drafter_inputs import open_features, positive_int, writable_json
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--features", required=True)
     ap.add_argument("--drafter", default=None, help="an SGLang-format export (config.json, model.safetensors)")
     ap.add_argument("--target", default=None, help="the target's folder (model.safetensors with the embedding table)")
-    ap.add_argument("--ttt-steps", type=int, default=3)
-    ap.add_argument("--max-tokens", type=int, default=2048)
+    ap.add_argument("--ttt-steps", type=positive_int, default=3)
+    ap.add_argument("--max-tokens", type=positive_int, default=2048, help="tokens per batch (at least the longest sample)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    from eagle3.features import FeatureDataset
-
-    ds = FeatureDataset([a.features], splits=("train", "validation", "test"))
+    if bool(a.drafter) != bool(a.target):
+        raise Eagle3Error("--drafter and --target go together: pass both (the drafter's figures) or neither")
+    out_path = writable_json(a.json)
+    ds = open_features(a.features, a.drafter, a.max_tokens)
     out: dict = {"features": a.features, "samples": len(ds), "tokens": ds.num_tokens, "fidelity": fidelity(ds)}
     print(f"{a.features}: {len(ds)} samples, {ds.num_tokens} tokens; FP8 round trip of the aux states")
     for j, f in enumerate(out["fidelity"]):
@@ -101,10 +103,12 @@ def main(argv=None) -> dict:
             out[kind] = m
             print(f"  drafter on {kind:8s} states: top-1 per TTT step {' / '.join(f'{x:.4f}' for x in m['step_acc'])}, "
                   f"simulated tau {m['tau']:.4f}, replay tau {m['replay_tau']:.4f}")
-    if a.json:
-        Path(a.json).write_text(json.dumps(out, indent=1))
+    if out_path:
+        out_path.write_text(json.dumps(out, indent=1))
     return out
 
 
 if __name__ == "__main__":
-    main()
+    from eagle3.cli import run_tool
+
+    run_tool(main)

@@ -51,6 +51,17 @@ def run_stage(fn: Callable[[Any], Any], cfg: DictConfig) -> Any:
             signal.signal(signal.SIGTERM, previous)
 
 
+def run_tool(main: Callable[[Optional[Sequence[str]]], Any], argv: Optional[Sequence[str]] = None) -> Any:
+    """Run a plain argparse tool's ``main(argv)`` (``python -m eagle3.train.curve``, the CPU
+    diagnostics in ``benchmarks/``): an :class:`Eagle3Error` becomes one line on stderr and exit
+    code 2, as in :func:`run_stage`."""
+    try:
+        return main(argv)
+    except Eagle3Error as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
 def config_groups(conf_dir: Path, config_name: str) -> list[str]:
     """The config groups that ``<conf_dir>/<config_name>.yaml`` chooses in its defaults list.
 

@@ -52,3 +52,35 @@ def test_old_run_takes_its_count_after_a_colon_and_the_plot_is_a_png(tmp_path, c
     out = capsys.readouterr().out
     assert "8,000 -> 16,000 samples: per doubling, top-1 (step 0) +0.0300, replay tau +0.1000" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_values_out_of_range_and_mixed_recipes_are_refused_naming_file_and_field(tmp_path):
+    bad = [({"train_samples": True}, "train_samples is True"), ({"train_samples": 4106.5}, "not a positive whole"),
+           ({"validation": {"step_acc": [float("nan"), 0.5], "replay_tau": 2.0}}, "validation.step_acc is nan"),
+           ({"validation": {"step_acc": [1.5, 0.5], "replay_tau": 2.0}}, "not a number in"),
+           ({"validation": {"step_acc": "0.6", "replay_tau": 2.0}}, "not a list")]
+    for change, match in bad:
+        m = {**run(1000, [0.5, 0.4], 2.0), **change}
+        m["_source"] = "x.json"
+        with pytest.raises(Eagle3Error, match=match) as e:
+            curve_points([m, run(2000, [0.6, 0.5], 2.2)])
+        assert "x.json" in str(e.value)
+    with pytest.raises(Eagle3Error, match="different numbers of TTT steps"):
+        curve_points([run(1000, [0.5], 2.0), run(2000, [0.6, 0.5], 2.2)])
+    note = format_curve(curve_points([run(1000, [0.5], 2.0), {**run(2000, [0.6], 2.2), "step": 50}]))
+    assert "different step counts (100, 50)" in note
+
+
+def test_the_colon_count_is_checked_and_bad_input_exits_2_with_one_line(tmp_path, capsys):
+    from eagle3.cli import run_tool
+
+    (tmp_path / "new.json").write_text(json.dumps(run(8000, [0.71, 0.68], 2.4)))
+    new = str(tmp_path / "new.json")
+    with pytest.raises(Eagle3Error, match="records train_samples 8000, not 9"):
+        read_run(f"{new}:9")
+    with pytest.raises(Eagle3Error, match="positive whole number"):
+        read_run(f"{new}:-5")
+    for argv, match in (([f"{new}:abc"], "positive whole number"), ([new, "--plot", str(tmp_path / "c.txt")], ".png")):
+        with pytest.raises(SystemExit) as e:
+            run_tool(main, argv)
+        assert e.value.code == 2 and match in capsys.readouterr().err

@@ -123,28 +123,43 @@ def load_target_embeddings(model_cfg, cache_dir, dtype: Optional[torch.dtype] = 
     Raises:
         Eagle3Error: a hub-only target (no local weights) or no such tensors.
     """
-    from safetensors import safe_open
-
     info = resolve_target(model_cfg, cache_dir)
     if info.path is None:
         raise Eagle3Error(
             f"target '{model_cfg.name}' has no local weights to read embeddings from; "
             "set model.source to a local HF folder"
         )
-    folder = Path(info.path)
-    found: dict[str, torch.Tensor] = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as fh:
-            for key in fh.keys():
-                if key.endswith("embed_tokens.weight") and "embed" not in found:
-                    found["embed"] = fh.get_tensor(key)
-                elif key.endswith("lm_head.weight") and "lm_head" not in found:
-                    found["lm_head"] = fh.get_tensor(key)
-    if "embed" not in found:
-        raise Eagle3Error(f"no embed_tokens.weight in {folder}; is this a causal LM folder?")
-    if "lm_head" not in found:
-        found["lm_head"] = found["embed"]  # tied embeddings
-    embed, head = found["embed"], found["lm_head"]
+    embed, head = embeddings_in_folder(info.path)
     if dtype is not None:
         embed, head = embed.to(dtype), head.to(dtype)
     return embed, head
+
+
+def embeddings_in_folder(folder) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(embed [V, H], lm_head [V, H])`` read from every ``*.safetensors`` of a local HF
+    folder (``lm_head`` is ``embed`` when tied), on CPU in the stored dtype.
+
+    Raises:
+        Eagle3Error: not a folder, no safetensors in it, an unreadable file, or no
+            ``embed_tokens.weight`` (not a causal LM folder).
+    """
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    if not files:
+        raise Eagle3Error(f"{folder} is not a model folder with *.safetensors files; pass the target's folder")
+    found: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for key in fh.keys():
+                    if key.endswith("embed_tokens.weight") and "embed" not in found:
+                        found["embed"] = fh.get_tensor(key)
+                    elif key.endswith("lm_head.weight") and "lm_head" not in found:
+                        found["lm_head"] = fh.get_tensor(key)
+        except Exception as e:  # noqa: BLE001  (safetensors raises its own error types)
+            raise Eagle3Error(f"cannot read {f}: {e}") from e
+    if "embed" not in found:
+        raise Eagle3Error(f"no embed_tokens.weight in {folder}; is this a causal LM folder?")
+    return found["embed"], found.get("lm_head", found["embed"])  # tied embeddings: the same tensor

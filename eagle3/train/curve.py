@@ -26,21 +26,44 @@ from eagle3.errors import Eagle3Error
 
 def read_run(arg: str) -> dict:
     """``metrics.json`` of a run named by ``PATH`` or ``PATH:SAMPLES`` (the latter sets
-    ``train_samples`` for a run that did not record it).
+    ``train_samples`` for a run that did not record it); ``_source`` records the path.
 
     Raises:
-        Eagle3Error: a missing or unreadable file, or a count that is not a positive integer.
+        Eagle3Error: a missing or unreadable file, not a JSON object, a count that is not a
+            positive whole number, or a count that contradicts the one the run recorded.
     """
-    path, _, n = arg.rpartition(":") if arg.rpartition(":")[2].isdigit() else (arg, "", "")
+    path, n = arg, None
+    if not Path(arg).is_file() and ":" in arg:
+        head, _, tail = arg.rpartition(":")
+        if Path(head).is_file():
+            if not tail.isdigit() or int(tail) <= 0:
+                raise Eagle3Error(f"{arg}: the count after the colon must be a positive whole number, e.g. {head}:16423")
+            path, n = head, int(tail)
     try:
         m = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
         raise Eagle3Error(f"cannot read the run metrics {path}: {e}") from e
-    if n:
-        if int(n) <= 0:
-            raise Eagle3Error(f"{arg}: the sample count after the colon must be positive")
-        m["train_samples"] = int(n)
+    if not isinstance(m, dict):
+        raise Eagle3Error(f"{path} is not a train.py metrics.json (a JSON object)")
+    if n is not None:
+        if m.get("train_samples") not in (None, n):
+            raise Eagle3Error(f"{path} records train_samples {m['train_samples']}, not {n}; drop ':{n}'")
+        m["train_samples"] = n
+    m["_source"] = str(path)
     return m
+
+
+def _number(v, what: str, lo: float, hi: float) -> float:
+    """``v`` as a finite float in ``[lo, hi]``, or an :class:`Eagle3Error` naming ``what``."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
+        raise Eagle3Error(f"{what} is {v!r}, not a number in [{lo}, {hi}]")
+    return float(v)
+
+
+def _accs(v, what: str) -> list[float]:
+    if not isinstance(v, list) or not v:
+        raise Eagle3Error(f"{what} is {v!r}, not a list of agreements per TTT step")
+    return [_number(a, what, 0.0, 1.0) for a in v]
 
 
 def curve_points(metrics: list[dict]) -> list[dict]:
@@ -54,19 +77,32 @@ def curve_points(metrics: list[dict]) -> list[dict]:
         ``[{samples, steps, val_acc: [K], replay_tau, train_acc: [K] | None}]``, fewest samples first.
 
     Raises:
-        Eagle3Error: a run without those fields (not a finished ``train.py`` run, or one written
-            before ``train_samples`` existed), or two runs with the same number of samples.
+        Eagle3Error: a run without those fields or with values out of range (naming the file and
+            the field; a run written before ``train_samples`` existed is passed as ``PATH:SAMPLES``),
+            runs with different numbers of TTT steps, or two runs with the same number of samples.
     """
     pts = []
     for i, m in enumerate(metrics):
-        val = m.get("validation") or {}
-        if m.get("train_samples") is None or not val.get("step_acc") or val.get("replay_tau") is None:
-            raise Eagle3Error(f"run {i} ({m.get('output_dir', '?')}) has no train_samples / validation.step_acc / "
-                              "validation.replay_tau: pass the metrics.json of finished train.py runs with validation")
-        pts.append({"samples": int(m["train_samples"]), "steps": m.get("step"),
-                    "val_acc": [float(a) for a in val["step_acc"]], "replay_tau": float(val["replay_tau"]),
-                    "train_acc": [float(a) for a in (m.get("train") or {}).get("step_acc") or []] or None})
+        src = m.get("_source", f"run {i}")
+        n = m.get("train_samples")
+        if n is None:
+            raise Eagle3Error(f"{src} has no train_samples (written before it was recorded, or not a train.py "
+                              f"metrics.json); pass it as {src}:SAMPLES")
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise Eagle3Error(f"{src}: train_samples is {n!r}, not a positive whole number")
+        val = m.get("validation")
+        if not isinstance(val, dict) or "step_acc" not in val or val.get("replay_tau") is None:
+            raise Eagle3Error(f"{src} has no validation.step_acc / validation.replay_tau: pass the metrics.json of "
+                              "a finished train.py run with a validation split")
+        train = m.get("train") if isinstance(m.get("train"), dict) else {}
+        pts.append({"samples": n, "steps": m.get("step"), "source": src,
+                    "val_acc": _accs(val["step_acc"], f"{src}: validation.step_acc"),
+                    "replay_tau": _number(val["replay_tau"], f"{src}: validation.replay_tau", 1.0, 1e6),
+                    "train_acc": _accs(train["step_acc"], f"{src}: train.step_acc") if train.get("step_acc") else None})
     pts.sort(key=lambda p: p["samples"])
+    if len({len(p["val_acc"]) for p in pts}) > 1:
+        raise Eagle3Error("the runs validate different numbers of TTT steps ("
+                          + ", ".join(f"{p['source']}: {len(p['val_acc'])}" for p in pts) + "); compare runs of one recipe")
     seen = [p["samples"] for p in pts]
     if len(set(seen)) != len(seen):
         raise Eagle3Error(f"two runs share a training-sample count ({seen}): a curve needs distinct subsets")
@@ -96,6 +132,9 @@ def format_curve(points: list[dict]) -> str:
         tr = " / ".join(f"{a:.3f}" for a in p["train_acc"]) if p["train_acc"] else "-"
         lines.append(f"| {p['samples']:,} | {p['steps'] or '-'} | {' / '.join(f'{a:.3f}' for a in p['val_acc'])} "
                      f"| {p['replay_tau']:.3f} | {tr} |")
+    if len({p["steps"] for p in points}) > 1:
+        lines.append("\nnote: the runs trained for different step counts "
+                     f"({', '.join(str(p['steps']) for p in points)}): the curve mixes data and training length")
     for g in gains_per_doubling(points):
         lines.append(f"\n{g['from']:,} -> {g['to']:,} samples: per doubling, top-1 (step 0) {g['acc0']:+.4f}, "
                      f"replay tau {g['replay_tau']:+.4f}")
@@ -104,7 +143,11 @@ def format_curve(points: list[dict]) -> str:
 
 def plot_curve(points: list[dict], path) -> Path:
     """Write a PNG: validation top-1 per TTT step (left) and replay tau (right) against training
-    samples on a log-2 axis; returns the path."""
+    samples on a log-2 axis; returns the path.
+
+    Raises:
+        Eagle3Error: a path not ending in ``.png``, or one that cannot be written.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -123,9 +166,15 @@ def plot_curve(points: list[dict], path) -> Path:
     ax1.legend()
     fig.tight_layout()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        if path.suffix.lower() != ".png":
+            raise ValueError("the name does not end in .png")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110, format="png")
+    except (OSError, ValueError) as e:
+        raise Eagle3Error(f"cannot write the plot to {path} ({e}); pass --plot a writable .png path") from e
+    finally:
+        plt.close(fig)
     return path
 
 
@@ -136,9 +185,11 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     points = curve_points([read_run(p) for p in a.metrics])
     print(format_curve(points))
-    if a.plot:
+    if a.plot is not None:
         print(f"plot: {plot_curve(points, a.plot)}")
 
 
 if __name__ == "__main__":
-    main()
+    from eagle3.cli import run_tool
+
+    run_tool(main)
