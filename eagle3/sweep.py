@@ -103,14 +103,40 @@ def summary_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_learning_curve(sweep_dir: str | Path, rows: list[dict]) -> Optional[Path]:
+    """For a training sweep over ``loop.train_fraction`` (every job sets it): the learning curve
+    of :mod:`eagle3.train.curve` as ``learning_curve.md`` and ``learning_curve.png``; returns the
+    .md path, or None for any other sweep. A curve that cannot be drawn (a job without
+    validation, two equal subsets) is logged, and the sweep's table stands."""
+    from eagle3.errors import Eagle3Error
+
+    if len(rows) < 2 or not all(any(o.startswith("loop.train_fraction=") for o in r.get("overrides", []))
+                                and str(r.get("metrics_path") or "").endswith("metrics.json") for r in rows):
+        return None
+    from eagle3.train.curve import curve_points, format_curve, plot_curve, read_run
+
+    sweep_dir = Path(sweep_dir)
+    try:
+        points = curve_points([read_run(r["metrics_path"]) for r in rows])
+        plot_curve(points, sweep_dir / "learning_curve.png")
+    except Eagle3Error as e:
+        log.warning("no learning curve for this sweep: %s", e)
+        return None
+    path = sweep_dir / "learning_curve.md"
+    path.write_text(format_curve(points) + "\n")
+    return path
+
+
 def write_summary(sweep_dir: str | Path) -> Path:
-    """Write ``summary.md``/``summary.json`` for a finished sweep; returns the .md path."""
+    """Write ``summary.md``/``summary.json`` for a finished sweep (and, over
+    ``loop.train_fraction``, :func:`write_learning_curve`); returns the .md path."""
     sweep_dir = Path(sweep_dir)
     rows = collect(sweep_dir)
     table = summary_table(rows)
     sweep_dir.mkdir(parents=True, exist_ok=True)
     (sweep_dir / "summary.md").write_text(table)
     (sweep_dir / "summary.json").write_text(json.dumps(rows, indent=1))
+    write_learning_curve(sweep_dir, rows)
     return sweep_dir / "summary.md"
 
 
@@ -121,3 +147,6 @@ class SummaryCallback(Callback):
         sweep_dir = Path(config.hydra.sweep.dir)
         path = write_summary(sweep_dir)
         print(f"\nsweep summary ({path}):\n{path.read_text()}")
+        curve = sweep_dir / "learning_curve.md"
+        if curve.exists():
+            print(f"learning curve ({curve}, {curve.with_suffix('.png')}):\n{curve.read_text()}")

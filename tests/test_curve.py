@@ -84,3 +84,28 @@ def test_the_colon_count_is_checked_and_bad_input_exits_2_with_one_line(tmp_path
         with pytest.raises(SystemExit) as e:
             run_tool(main, argv)
         assert e.value.code == 2 and match in capsys.readouterr().err
+
+
+def _job(sweep, name, overrides, metrics):
+    d = sweep / name
+    d.mkdir(parents=True)
+    (d / "metrics.json").write_text(json.dumps(metrics))
+    (d / "summary.json").write_text(json.dumps({"overrides": overrides, "metrics_path": str(d / "metrics.json"),
+                                                "summary": {"tau": metrics["validation"]["replay_tau"]}}))
+
+
+def test_a_sweep_over_train_fraction_writes_its_learning_curve_and_others_do_not(tmp_path):
+    from eagle3.sweep import write_summary
+
+    sweep = tmp_path / "curve"
+    _job(sweep, "0", ["loop.train_fraction=0.5"], run(1000, [0.5, 0.4], 2.0))
+    _job(sweep, "1", ["loop.train_fraction=1.0"], run(2000, [0.6, 0.5], 2.3))
+    write_summary(sweep)
+    md = (sweep / "learning_curve.md").read_text()
+    assert "1,000 -> 2,000 samples: per doubling, top-1 (step 0) +0.1000, replay tau +0.3000" in md
+    assert (sweep / "learning_curve.png").read_bytes()[:4] == b"\x89PNG"
+    other = tmp_path / "other"
+    _job(other, "0", ["drafter.ttt_steps=2"], run(1000, [0.5, 0.4], 2.0))
+    _job(other, "1", ["drafter.ttt_steps=3"], run(1000, [0.6, 0.5, 0.4], 2.3))
+    write_summary(other)
+    assert (other / "summary.md").exists() and not (other / "learning_curve.md").exists()
