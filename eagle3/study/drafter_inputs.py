@@ -26,7 +26,7 @@ def check_features_match(export_meta: dict, features_meta: dict, export_dir, fea
               (features_meta.get("target") or {}).get("content_hash")),
              ("aux layer ids", export_meta.get("aux_layer_ids"), features_meta.get("aux_layer_ids")))
     for what, a, b in pairs:
-        if a is not None and b is not None and list(a if isinstance(a, list) else [a]) != list(b if isinstance(b, list) else [b]):
+        if a is not None and b is not None and a != b:
             raise Eagle3Error(f"the drafter in {export_dir} was trained with {what} {a}, the features in {features_dir} "
                               f"have {b}; pass features extracted from the drafter's own target and aux layers")
 
