@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3.errors import Eagle3Error
-from eagle3.study.drafter_inputs import check_features_match, positive_int, writable_json
+from eagle3.study.drafter_inputs import check_features_match, positive_int, trained_on, writable_json
 from eagle3.target.load import embeddings_in_folder
 
 
@@ -51,3 +51,9 @@ def test_argument_checks(tmp_path):
     assert writable_json(tmp_path / "a" / "b.json") == tmp_path / "a" / "b.json"  # folder created
     with pytest.raises(Eagle3Error, match="it is a folder"):
         writable_json(tmp_path)
+
+
+def test_the_drafters_own_training_features_are_recognised():
+    assert trained_on({"features_manifest_sha256": ["a1", "b2"]}, "b2")
+    assert trained_on({"features_manifest_sha256": "a1"}, "a1")
+    assert not trained_on({"features_manifest_sha256": ["a1"]}, "c3") and not trained_on({}, "c3")

@@ -5,6 +5,7 @@ against each other before any work, so a mismatched set is an error and not a ta
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -29,6 +30,14 @@ def check_features_match(export_meta: dict, features_meta: dict, export_dir, fea
         if a is not None and b is not None and a != b:
             raise Eagle3Error(f"the drafter in {export_dir} was trained with {what} {a}, the features in {features_dir} "
                               f"have {b}; pass features extracted from the drafter's own target and aux layers")
+
+
+def trained_on(export_meta: dict, manifest_sha256: str) -> bool:
+    """Whether the drafter was trained on the features whose ``manifest.json`` has this sha256
+    (``features_manifest_sha256`` of ``eagle3_meta.json``: one hash, or one per folder)."""
+    recorded = export_meta.get("features_manifest_sha256")
+    recorded = recorded if isinstance(recorded, list) else [recorded]
+    return manifest_sha256 in recorded
 
 
 def load_drafter(export_dir, target, dtype: torch.dtype = torch.float32):
@@ -109,6 +118,11 @@ def open_features(features_dir, export_dir, max_tokens: int):
     if export_dir is not None:
         export = read_sglang_export(export_dir)
         check_features_match(export.meta, ds.metadata, export_dir, features_dir)
+        from eagle3.io import sha256_file
+
+        if trained_on(export.meta, sha256_file(Path(features_dir) / "manifest.json")):
+            print(f"note: the drafter in {export_dir} was trained on {features_dir} (its training split inflates "
+                  "these figures); held-out features measure what serving will see", file=sys.stderr)
         hidden = (ds.metadata.get("target") or {}).get("hidden_size")
         if hidden is not None and int(hidden) != export.arch.target_hidden_size:
             raise Eagle3Error(f"the features in {features_dir} hold aux states of width {hidden}, the drafter in "
