@@ -120,6 +120,21 @@ def test_five_steps_equal_three_plus_resume_plus_two(tmp_path):
     assert again["step"] == 5
 
 
+def test_a_run_that_stops_mid_epoch_reports_the_validation_of_its_last_step(tmp_path):
+    # by default validation runs at each epoch's end; 5 steps end inside the second epoch, so
+    # metrics.json must hold a validation of step 5's weights, not the epoch end's (a stale one
+    # was reported before). Reference: the same run validating at step 5 inside the loop.
+    write_features(tmp_path / "f", n=30)
+    tgt, E = tiny_target(), embed()
+    over = {"loop.max_steps": 5, "loop.grad_accum": 2}
+    stop = train_drafter(make_cfg(tmp_path / "f", tmp_path / "a", **over), tgt, E)
+    ref = train_drafter(make_cfg(tmp_path / "f", tmp_path / "b", **over, **{"loop.eval_every": 5}), tgt, E)
+    assert stop["epoch"] >= 1 and stop["validation"]["step"] == ref["validation"]["step"] == 5
+    assert stop["validation"] == ref["validation"]
+    saved = json.loads((tmp_path / "a" / "metrics.json").read_text())
+    assert saved["validation"]["step"] == 5
+
+
 def test_a_time_limited_run_exports_early_and_resumes_to_the_same_drafter(tmp_path):
     write_features(tmp_path / "f", n=30)
     tgt, E = tiny_target(), embed()

@@ -76,7 +76,9 @@ def finish(run: Run, progress: Progress) -> dict:
     if latest is None or latest.name != checkpoint_name(state.step):
         save_checkpoint(acc, run.output_dir, state.step)
     last_val = progress.last_val
-    if last_val is None or run.cfg.loop.eval_every:
+    if last_val is None or last_val.get("step") != state.step:
+        # a run that stops mid-epoch (loop.max_steps, the time limit) last validated at an
+        # earlier step; metrics.json must describe the weights it exports
         last_val = validate(run, state.step)
     if last_val is None:
         log.warning("the features hold no validation samples; metrics.json has no validation block")

@@ -63,11 +63,15 @@ def evaluate(accelerator, model: TTTModel, loader, step_weight: float) -> Option
 
 def validate(run: "Run", step: int) -> Optional[dict]:
     """:func:`evaluate` over the run's validation batches, logged as ``val/*`` at optimizer
-    step ``step``; None when the features hold no validation samples."""
+    step ``step``; None when the features hold no validation samples.
+
+    The dict also records ``step``, so :func:`eagle3.train.finish.finish` can tell whether it
+    describes the final weights (``metrics.json``'s ``validation.step``)."""
     if not run.val_batches:
         return None
     m = evaluate(run.accelerator, run.model, run.loader(run.val_ds, run.val_batches), run.cfg.drafter.step_weight)
     if m is not None:
+        m["step"] = step
         logs = {"val/loss": m["loss"], "val/tau": m["tau"]}
         if m["replay_tau"] is not None:
             logs["val/replay_tau"] = m["replay_tau"]
