@@ -253,6 +253,14 @@ def test_summarize_benchmark_by_hand():
     assert b["acceptance_length_non_looping"] == pytest.approx(16 / 6)  # short outputs never loop
     sampled, _ = SpecSettings.make(3, 1, 4, temperature=0.7)
     assert summarize_benchmark(recs, sampled)["lossless_matches"] is None
+    # twelve near-ties, then one that is not: the report's list shows the non-tie first
+    secs = dict(spec_seconds=1.0, spec_prefill_seconds=0.1, base_seconds=1.0, base_prefill_seconds=0.1)
+    many = [hand_record({"sample_id": f"t{k}", "turn": 0}, [7, 8], accept_counts=[1], emitted=2, base=[7, 9], **secs,
+                        mismatch={"index": 1, "tie": True}) for k in range(12)]
+    many.append(hand_record({"sample_id": "bad", "turn": 0}, [7, 8], accept_counts=[1], emitted=2, base=[7, 9], **secs,
+                            mismatch={"index": 1, "tie": False}))
+    listed = summarize_benchmark(many, s)["first_mismatches"]
+    assert len(listed) == 10 and listed[0]["id"] == "bad" and [m["id"] for m in listed[1:]] == [f"t{k}" for k in range(9)]
 
 
 def test_evaluate_hf_loop(tmp_path):
@@ -464,6 +472,58 @@ def test_diagnose_mismatch_measures_the_logit_gap():
     target_generate(static, prompt, s)
     ds = diagnose_mismatch(static, prompt, spec, base)
     assert ds["index"] == 3 and ds["logit_gap"] == pytest.approx(d["logit_gap"], abs=1e-4)
+    # float32: prefill and verify-shaped passes agree to rounding, on both runners
+    assert d["drift"] < 1e-4 and ds["drift"] < 1e-4 and ds["tie"] is False
+
+
+class _TwoPathRunner:
+    """A target whose verify passes move the base token's logit by ``drift`` (bf16 logits)."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, drift: float, a: int = 3, b: int = 5, V: int = 8):
+        self.drift, self.a, self.b, self.V, self.calls = drift, a, b, V, []
+
+    def new_cache(self):
+        return []
+
+    def reserve(self, cache, length):
+        self.calls.append(("reserve", length))
+
+    def _logits(self, n, shift):
+        x = torch.zeros(n, self.V)
+        x[:, self.b], x[:, self.a] = 20.0 - shift, 19.0
+        return x.to(torch.bfloat16)
+
+    def prefill(self, input_ids, cache, capture=True):
+        self.calls.append(("prefill", input_ids.shape[1]))
+        return self._logits(1, 0.0), None
+
+    def verify(self, tokens, depth, ancestors, cache, length):
+        assert ancestors is None and torch.equal(depth, torch.arange(tokens.numel()))
+        self.calls.append(("verify", length, tokens.numel()))
+        return self._logits(tokens.numel(), self.drift), None
+
+
+def test_diagnose_mismatch_calls_a_flip_within_the_two_paths_drift_a_tie():
+    from eagle3.evaluate.inprocess import DRIFT_MAX_ULPS, TIE_ULPS, diagnose_mismatch
+
+    prompt, base = [1, 2, 3], [5] * 10 + [5, 5]
+    spec = base[:10] + [3, 3]
+    eps = torch.finfo(torch.bfloat16).eps
+    assert TIE_ULPS * eps * 20 < 1.0 < 2 * 0.625 and 6.0 > DRIFT_MAX_ULPS * eps * 20  # the cases below
+    for shift, tie in ((0.6, True), (0.4, False), (6.0, False), (1.5, True)):
+        r = _TwoPathRunner(shift)
+        d = diagnose_mismatch(r, prompt, spec, base, chunk=4)
+        drift = 20.0 - float(torch.tensor(20.0 - shift, dtype=torch.bfloat16))  # bf16-rounded
+        assert (d["index"], d["spec_token"], d["base_token"], d["logit_gap"]) == (10, 3, 5, 1.0)
+        assert d["drift"] == pytest.approx(drift) and d["tie"] is tie, (shift, d)
+        # the verify-shaped path: the prompt prefilled, then the 10 reply tokens in passes of 4, 4, 2
+        assert r.calls[-4:] == [("prefill", 3), ("verify", 3, 4), ("verify", 7, 4), ("verify", 11, 2)]
+    # a mismatch at the first token: the prompt's last token alone is the verify pass
+    r = _TwoPathRunner(0.6)
+    assert diagnose_mismatch(r, prompt, [3], [5], chunk=4)["tie"] is True
+    assert r.calls[-2:] == [("prefill", 2), ("verify", 2, 1)]
 
 
 def test_sglang_engine_dispatch_reports_its_results(tmp_path):

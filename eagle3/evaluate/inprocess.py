@@ -26,34 +26,68 @@ from eagle3.spec import SpecSettings, SpeculativeDecoder, TargetRunner, target_g
 #: a greedy mismatch counts as a numerical near-tie when the two tokens' target logits
 #: differ by at most this many units of the compute dtype's epsilon (relative to their size)
 TIE_ULPS = 4.0
+#: ... or by at most twice the drift of those logits between two numerics paths of the target
+#: (a prefill, and verify-shaped passes), when that drift is itself at most this many units:
+#: a larger drift means the verify pass computes something else, a fault, not rounding
+DRIFT_MAX_ULPS = 32.0
+
+
+def _verify_shaped_logits(runner: TargetRunner, prompt_ids: Sequence[int], reply: Sequence[int],
+                          chunk: int) -> torch.Tensor:
+    """Logits ``[V]`` of the position after ``prompt_ids + reply`` computed as speculative
+    decoding computes them: a prefill of the prompt, then chain verify passes of up to
+    ``chunk`` tokens over the reply (with an empty reply, the prompt's last token alone)."""
+    ids = list(prompt_ids) + list(reply)
+    p0 = len(prompt_ids) if reply else len(prompt_ids) - 1
+    cache = runner.new_cache()
+    runner.reserve(cache, len(ids))
+    logits, _ = runner.prefill(torch.tensor([ids[:p0]], device=runner.device), cache, capture=False)
+    for a in range(p0, len(ids), chunk):
+        part = torch.tensor(ids[a:a + chunk], device=runner.device)
+        depth = torch.arange(part.numel(), device=runner.device)
+        logits, _ = runner.verify(part, depth, None, cache, a)
+    return logits[-1]
 
 
 @torch.inference_mode()
 def diagnose_mismatch(runner: TargetRunner, prompt_ids: Sequence[int], spec: Sequence[int],
-                      base: Sequence[int]) -> dict:
+                      base: Sequence[int], chunk: int = 4) -> dict:
     """Where speculative and baseline greedy tokens first differ, and whether it is a near-tie.
 
-    Runs the target once on ``prompt + base[:i]`` (``i`` = first differing index) and
-    compares the logits of the two tokens chosen there. A gap within ``TIE_ULPS`` units of
-    the dtype's epsilon times the logits' size means the two argmaxes flipped on rounding
-    (a batched verify pass and a one-token step round differently, notably in bf16);
-    a larger gap points at a bug.
+    At the first differing index ``i`` the target's logits for ``prompt + base[:i]`` are
+    computed twice: by one prefill, and verify-shaped (a prefill of the prompt, then chain
+    verify passes of ``chunk`` tokens, as the decoder runs them). The two chosen tokens'
+    logit gap (in the prefill) is a rounding tie when it is within ``TIE_ULPS`` units of the
+    dtype's epsilon times the logits' size, or within twice the drift of those two logits
+    between the two paths (a flip between the paths is always such a case), provided that
+    drift is at most ``DRIFT_MAX_ULPS`` units (a batched verify pass and a one-token step
+    round differently, notably in bf16 and under fused kernels; a larger drift or a larger
+    gap points at a bug).
+
+    Args:
+        runner: the target as the decoder ran it (a static runner's cache is reused).
+        prompt_ids, spec, base: the prompt and the two greedy replies (token ids).
+        chunk: tokens per verify pass (the decoder's ``num_draft_tokens``).
 
     Returns:
-        ``{index, spec_token, base_token, logit_gap, tie}`` (``tie`` False when one output
-        simply ended earlier).
+        ``{index, spec_token, base_token, logit_gap, drift, tie}`` (``tie`` False and the
+        rest None when one output simply ended earlier). ``logit_gap`` and ``drift`` are in
+        logit units.
     """
     i = next((j for j, (a, b) in enumerate(zip(spec, base)) if a != b), min(len(spec), len(base)))
     if i >= len(spec) or i >= len(base):
-        return {"index": i, "spec_token": None, "base_token": None, "logit_gap": None, "tie": False}
+        return {"index": i, "spec_token": None, "base_token": None, "logit_gap": None, "drift": None, "tie": False}
     ids = list(prompt_ids) + list(base[:i])
     # a prefill: on a static runner it also places the new positions (a bare forward would not)
     logits, _ = runner.prefill(torch.tensor([ids], device=runner.device), runner.new_cache(), capture=False)
-    la, lb = float(logits[-1, spec[i]]), float(logits[-1, base[i]])
-    eps = torch.finfo(logits.dtype).eps
+    a, b = int(spec[i]), int(base[i])
+    la, lb = float(logits[-1, a]), float(logits[-1, b])
+    other = _verify_shaped_logits(runner, prompt_ids, base[:i], max(1, chunk))
+    drift = max(abs(la - float(other[a])), abs(lb - float(other[b])))
+    eps, size = torch.finfo(logits.dtype).eps, max(abs(la), abs(lb), 1.0)
     gap = abs(la - lb)
-    return {"index": i, "spec_token": int(spec[i]), "base_token": int(base[i]), "logit_gap": gap,
-            "tie": gap <= TIE_ULPS * eps * max(abs(la), abs(lb), 1.0)}
+    tie = gap <= TIE_ULPS * eps * size or (drift <= DRIFT_MAX_ULPS * eps * size and gap <= 2 * drift)
+    return {"index": i, "spec_token": a, "base_token": b, "logit_gap": gap, "drift": drift, "tie": bool(tie)}
 
 
 def _user_turns(messages: Sequence[dict]) -> list[list[dict]]:
@@ -129,7 +163,8 @@ class _Evaluation:
                              spec.seconds, base.seconds, spec.prefill_seconds, base.prefill_seconds,
                              spec.verify_passes, spec.emitted, spec.accept_counts)
             if self.settings.greedy and not rec.match:
-                rec.mismatch = diagnose_mismatch(self.runner, ids, spec.tokens, base.tokens)
+                rec.mismatch = diagnose_mismatch(self.runner, ids, spec.tokens, base.tokens,
+                                                 self.settings.num_draft_tokens)
             if self.teacher_forced:
                 rec.teacher_forced = teacher_forced_turn(self.runner, self.decoder.proposer.drafter, ids, spec.tokens,
                                                          self.settings.num_steps)

@@ -242,8 +242,9 @@ def verdict(bench: dict, spec_cap: Optional[int] = None) -> tuple[str, list[str]
         else:
             notes.append(
                 f"{matches}/{n} prompts decode exactly to the target's own greedy tokens; the other {ties} first "
-                "differ where the target's two best logits tie within rounding (a batched verify pass rounds "
-                "differently from a one-token step), which is not a loss"
+                "differ where the target's two best logits tie within rounding or within their drift between a "
+                "prefill and verify passes of the target (a batched verify pass rounds differently from a "
+                "one-token step), which is not a loss"
             )
     return (", ".join(codes) if codes else "OK"), notes
 

@@ -148,8 +148,9 @@ def _lossless(recs: Sequence[TurnRecord], prompts: set[str], greedy: bool) -> di
         out["lossless_checked"] = len(prompts)
         # prompts that differ only where the target's top two logits tie within rounding
         out["lossless_near_ties"] = sum(tie[sid] and not ok[sid] for sid in prompts)
-        out["first_mismatches"] = [{"id": r.sample_id, "turn": r.turn, **(r.mismatch or {})}
-                                   for r in recs if not r.match][:10]
+        # up to 10 turns' first mismatches, those that are not ties first (the ones to look at)
+        mism = [{"id": r.sample_id, "turn": r.turn, **(r.mismatch or {})} for r in recs if not r.match]
+        out["first_mismatches"] = sorted(mism, key=lambda m: bool(m.get("tie")))[:10]
     else:
         out["lossless_matches"] = None
         out["lossless_checked"] = None

@@ -218,7 +218,9 @@ def render_markdown(results: dict, plots: dict[str, str]) -> str:
     out.append("tau [lo, hi]: the bootstrap 95% interval over prompts (a prompt's turns resampled together). "
                "tok/s and speed-up: generated tokens over wall time including the prefill, batch 1; "
                "decode speed-up leaves the prefill out. lossless: prompts whose speculative tokens equal the "
-               "target's own greedy tokens (+ prompts that first differ at a rounding tie of the top two logits).\n")
+               "target's own greedy tokens (+ prompts that first differ at a rounding tie of the top two logits: a gap within "
+               "a few units of the dtype's epsilon, or within twice the two logits' drift between a prefill and verify "
+               "passes of the target).\n")
     if any(b.get("speedup_interval") for b in benches.values()):
         out.append("Served runs: tok/s, speed-up and lossless come from batch-1 requests sent to both servers prompt "
                    "by prompt (baseline and speculative interleaved); [lo, hi] is the bootstrap 95% interval of the "
