@@ -253,8 +253,8 @@ class LoopConfig:
     time_limit_min: Optional[float] = None
     # train on a seeded subset of this fraction of the training samples (nested: the 0.25 subset
     # lies inside the 0.5 one), validation unchanged: a learning curve, what more data would buy
-    # (python train.py -m loop.train_fraction=0.25,0.5,1.0); the draft vocabulary is still
-    # counted over the whole training split
+    # (python train.py -m loop.train_fraction=0.25,0.5,1.0); the draft vocabulary is counted
+    # over the subset too
     train_fraction: float = 1.0
 
 

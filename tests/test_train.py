@@ -61,6 +61,16 @@ def test_train_fraction_trains_on_its_subset_only(tmp_path):
         assert (m["train_samples"], m["train_split_samples"]) == (len(got), len(ids))
     sub = {ids[i] for i in train_subset(len(ids), 0.5, seed=0)}
     assert seen[0.5] == sub and seen[1.0] == set(ids) and len(sub) == round(len(ids) / 2)
+    # the draft vocabulary's counts are those of the label tokens of the samples trained on
+    ds = FeatureDataset([tmp_path / "f"], splits=("train",), verify=False)
+    for frac in (0.5, 1.0):
+        want = torch.zeros(V, dtype=torch.int64)
+        for i in range(len(ds)):
+            if ds.sample_ids[i] in seen[frac]:
+                rec = ds[i]
+                want += torch.bincount(rec["input_ids"][rec["loss_mask"].bool()].long(), minlength=V)
+        got = load_file(str(tmp_path / f"d{frac}" / "draft_vocab.safetensors"))["counts"]
+        assert torch.equal(got, want), frac
 
 
 def test_with_feature_noise_a_resumed_run_still_equals_the_uninterrupted_one(tmp_path):

@@ -201,6 +201,15 @@ class FeatureDataset(Dataset):
     def __len__(self) -> int:
         return len(self._index)
 
+    def shard_rows(self, indices: Iterable[int]) -> dict[Path, set[int]]:
+        """``{shard file: rows in it}`` of the dataset indices ``indices`` (``ds[i]`` is row
+        ``r`` of shard ``f``), for readers that go shard by shard."""
+        out: dict[Path, set[int]] = {}
+        for i in indices:
+            f, row, _, _ = self._index[i]
+            out.setdefault(f, set()).add(row)
+        return out
+
     def _handle(self, f: Path):
         h = self._handles.get(f)
         if h is None:

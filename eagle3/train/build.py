@@ -18,7 +18,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -133,7 +133,8 @@ def build_run(cfg: Any, target: Any, embed: torch.Tensor, lm_head: Optional[torc
         check_resume_record(output_dir, record)
     set_seed(cfg.seed)
 
-    d2t, t2d, counts = _draft_vocab(accelerator, output_dir / DRAFT_VOCAB, dirs, train_ds, target, cfg.drafter)
+    d2t, t2d, counts = _draft_vocab(accelerator, output_dir / DRAFT_VOCAB, dirs, train_ds, target, cfg.drafter,
+                                    plan.samples)
     warn_on_degenerate_loss_mask(train_ds.manifests)
     coverage = float(counts[t2d].sum()) / max(1, int(counts.sum()))
     arch = drafter_arch(target, cfg.drafter, draft_vocab_size=d2t.numel())
@@ -180,10 +181,11 @@ def _accelerator(cfg: Any, device: torch.device, mixed_precision: str, output_di
 
 
 def _draft_vocab(accelerator, path: Path, dirs: list[Path], train_ds: FeatureDataset, target: Any,
-                 dcfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(d2t [N] int64, t2d [V] bool, counts [V] int64)`` of the training split's label tokens
-    (:mod:`eagle3.train.vocab`): read from ``path`` when an earlier launch wrote it, else
-    counted, chosen and written there atomically by the main process.
+                 dcfg, samples: Optional[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(d2t [N] int64, t2d [V] bool, counts [V] int64)`` of the label tokens of the samples
+    trained on (``samples``, the ``loop.train_fraction`` subset's indices into ``train_ds``;
+    ``None`` = the whole training split; :mod:`eagle3.train.vocab`): read from ``path`` when an
+    earlier launch wrote it, else counted, chosen and written there atomically by the main process.
 
     Raises:
         Eagle3Error: the training samples hold no loss-masked tokens.
@@ -195,7 +197,8 @@ def _draft_vocab(accelerator, path: Path, dirs: list[Path], train_ds: FeatureDat
         d2t, t2d, counts = v["d2t"], v["t2d"], v["counts"]
     else:
         counts = count_label_tokens(dirs, train_ds.manifests, target.vocab_size,
-                                    progress=accelerator.is_local_main_process)
+                                    progress=accelerator.is_local_main_process,
+                                    rows=None if samples is None else train_ds.shard_rows(samples))
         d2t, t2d = build_draft_vocab(counts, dcfg.draft_vocab_size or auto_draft_vocab_size(counts))
         if accelerator.is_main_process:
             tmp = path.with_name(path.name + ".tmp")

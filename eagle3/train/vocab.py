@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 from safetensors import safe_open
@@ -75,11 +75,15 @@ def count_label_tokens(
     vocab_size: int,
     splits: Iterable[str] = ("train",),
     progress: bool = True,
+    rows: Optional[dict[Path, set[int]]] = None,
 ) -> torch.Tensor:
     """Count loss-masked tokens (``loss_mask == 1``) of the given splits.
 
     Reads only ``input_ids``, ``loss_mask`` and ``offsets`` of each shard (the shard
-    layout of :mod:`eagle3.features.format`), never the hidden states.
+    layout of :mod:`eagle3.features.format`), never the hidden states. ``rows``
+    (:meth:`eagle3.features.FeatureDataset.shard_rows`) restricts the count to those rows
+    of those shards (``loop.train_fraction``'s subset); ``None`` counts every sample of the
+    splits.
 
     Returns:
         ``[V]`` int64 counts.
@@ -92,6 +96,9 @@ def count_label_tokens(
     jobs = [(Path(d), sh) for d, m in zip(features_dirs, manifests) for sh in m["shards"] if sh["file"]]
     for d, sh in tqdm(jobs, desc="draft vocab", unit="shard", disable=not progress):
         keep = [i for i, s in enumerate(sh["samples"]) if s["split"] in splits]
+        if rows is not None:
+            chosen = rows.get(d / sh["file"], set())
+            keep = [i for i in keep if i in chosen]
         if not keep:
             continue
         with safe_open(str(d / sh["file"]), framework="pt") as f:
