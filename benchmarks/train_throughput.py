@@ -20,9 +20,15 @@ masked attention computes every step's full key range) are printed next to it.
     python benchmarks/train_throughput.py --model smollm2 --device cpu --iters 2
     python benchmarks/train_throughput.py --model kimi --profile   # where a step's GPU time goes
     python benchmarks/train_throughput.py --model kimi --chain-chunks 0,256   # dense vs chunked TTT attention
+    python benchmarks/train_throughput.py --model kimi --compile both --rounds 2   # loop.compile_drafter off/on
 
 ``--profile`` runs one more step under ``torch.profiler`` and prints the GPU kernel time
 by kind (attention kernels, matrix multiplies, the rest) and the slowest kernels.
+
+``--compile both`` times the eager drafter and the one with its norms and MLPs compiled
+(:mod:`eagle3.train.fused`, ``loop.compile_drafter``) in turn, ``--rounds`` times each
+(alternating, so a drift of the machine hits both), and prints the compiled/eager step-time
+ratio of every round; compilation happens in the warm-up steps, outside the timing.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from eagle3.train.drafter import DrafterArch, Eagle3Drafter  # noqa: E402
+from eagle3.train.fused import compile_drafter_elementwise  # noqa: E402
 from eagle3.train.ttt import TTTCollator, batch_to, target_to_draft_index, ttt_forward  # noqa: E402
 
 SHAPES = {
@@ -136,6 +143,9 @@ def run(name: str, args) -> dict:
     dev = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.manual_seed(0)
     drafter = Eagle3Drafter(arch).to(dev)
+    compiled = bool(getattr(args, "compiled", False))
+    if compiled:
+        compile_drafter_elementwise(drafter)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=dev.type == "cuda")
     seq = args.seq_len
@@ -181,6 +191,7 @@ def run(name: str, args) -> dict:
     res = {
         "drafter": name,
         "chain_chunk": chunk,
+        "compiled": compiled,
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "dtype": "bf16 autocast" if amp else "fp32",
         "hidden": arch.hidden_size,
@@ -220,20 +231,28 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--profile", action="store_true", help="GPU kernel time by kind (one extra step, CUDA only)")
     p.add_argument("--chain-chunks", default="0",
                    help="comma-separated drafter.ttt_chain_chunk values to time in turn (0 = the dense mask)")
+    p.add_argument("--compile", choices=["off", "on", "both"], default="off",
+                   help="the drafter's norms and MLPs compiled (loop.compile_drafter); both = each in turn")
+    p.add_argument("--rounds", type=int, default=1, help="times each variant is timed, alternating")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
     names = ["smollm2", "kimi"] if args.model == "all" else [args.model]
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
     results = []
     for n in names:
         for c in [int(x) for x in str(args.chain_chunks).split(",") if x.strip()]:
-            args.chain_chunk = c
-            results.append(run(n, args))
+            for _ in range(args.rounds):
+                for compiled in modes:
+                    args.chain_chunk, args.compiled = c, compiled
+                    results.append(run(n, args))
     print(f"\n| drafter | device | dtype | tokens/step | step s | tokens/s | model TFLOP/step | TFLOP/s | MFU "
           f"(peak {args.peak_tflops:g}) | peak mem GB |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         mem = f"{r['peak_memory_gb']:.1f}" if r["peak_memory_gb"] is not None else "-"
-        chunked = f", chunks of {r['chain_chunk']}" if r["chain_chunk"] else ""
+        chunked = (f", chunks of {r['chain_chunk']}" if r["chain_chunk"] else "") + (", compiled" if r["compiled"] else "")
         print(f"| {r['drafter']} (H={r['hidden']}, Vd={r['draft_vocab']}, TTT {r['ttt_steps']}{chunked}) | {r['device']} | "
               f"{r['dtype']} | {r['tokens_per_step']} | {r['step_s']:.3f} | {r['tokens_per_s']:.0f} | "
               f"{r['model_tflops_per_step']:.2f} | {r['achieved_tflops']:.1f} | {100 * r['mfu']:.1f}% | {mem} |")
@@ -246,6 +265,10 @@ def main(argv=None) -> list[dict]:
             print(f"  GPU kernel time of one step: {k['total_ms']:.1f} ms: {kinds}")
             for n, ms, c in k["top"]:
                 print(f"    {ms:9.2f} ms {c:5d} x  {n}")
+    if args.compile == "both":
+        for a, b in zip(results[::2], results[1::2]):
+            print(f"{a['drafter']}: compiled / eager step time {b['step_s'] / a['step_s']:.3f} "
+                  f"(MFU {100 * a['mfu']:.1f}% -> {100 * b['mfu']:.1f}%)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -256,6 +256,10 @@ class LoopConfig:
     # (python train.py -m loop.train_fraction=0.25,0.5,1.0); the draft vocabulary is counted
     # over the subset too
     train_fraction: float = 1.0
+    # compile the drafter's norms and MLPs with inductor (eagle3/train/fused.py: fused elementwise
+    # kernels, forward and backward); the weights and checkpoints are the eager drafter's, so a run
+    # may resume with it changed. Off until timed on a GPU (benchmarks/train_throughput.py --compile)
+    compile_drafter: bool = False
 
 
 @dataclass

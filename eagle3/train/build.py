@@ -30,6 +30,7 @@ from eagle3.train.checkpoint import TrainState, latest_checkpoint
 from eagle3.train.data import (BatchPlan, length_bucketed_batches, make_loader, open_datasets, train_subset,
                                warn_on_degenerate_loss_mask)
 from eagle3.train.drafter import DrafterArch, Eagle3Drafter
+from eagle3.train.fused import compile_drafter_elementwise
 from eagle3.train.record import check_resume_record, run_record, tracker_config
 from eagle3.train.settings import check_settings, default_max_tokens, drafter_arch, resolve_mixed_precision
 from eagle3.train.ttt import TTTCollator, TTTModel, target_to_draft_index
@@ -139,6 +140,9 @@ def build_run(cfg: Any, target: Any, embed: torch.Tensor, lm_head: Optional[torc
     coverage = float(counts[t2d].sum()) / max(1, int(counts.sum()))
     arch = drafter_arch(target, cfg.drafter, draft_vocab_size=d2t.numel())
     model = _ttt_model(arch, d2t, t2d, embed, lm_head, cfg.drafter)
+    if cfg.loop.compile_drafter:
+        log.info("loop.compile_drafter: compiled %d norm and MLP modules of the drafter",
+                 compile_drafter_elementwise(model.drafter))
     params = [p for p in model.parameters() if p.requires_grad]
     ocfg = cfg.optim
     optimizer = torch.optim.AdamW(
