@@ -524,6 +524,10 @@ def test_diagnose_mismatch_calls_a_flip_within_the_two_paths_drift_a_tie():
     r = _TwoPathRunner(0.6)
     assert diagnose_mismatch(r, prompt, [3], [5], chunk=4)["tie"] is True
     assert r.calls[-2:] == [("prefill", 2), ("verify", 2, 1)]
+    # a one-token prompt has no second path: no drift, the epsilon rule alone (gap 1.0: no tie)
+    r = _TwoPathRunner(0.6)
+    d = diagnose_mismatch(r, [1], [3], [5], chunk=4)
+    assert (d["drift"], d["tie"]) == (0.0, False) and r.calls[-1] == ("prefill", 1)
 
 
 def test_sglang_engine_dispatch_reports_its_results(tmp_path):

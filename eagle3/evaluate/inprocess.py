@@ -38,7 +38,7 @@ def _verify_shaped_logits(runner: TargetRunner, prompt_ids: Sequence[int], reply
     decoding computes them: a prefill of the prompt, then chain verify passes of up to
     ``chunk`` tokens over the reply (with an empty reply, the prompt's last token alone)."""
     ids = list(prompt_ids) + list(reply)
-    p0 = len(prompt_ids) if reply else len(prompt_ids) - 1
+    p0 = max(1, len(prompt_ids) if reply else len(prompt_ids) - 1)  # a one-token prompt: the prefill alone
     cache = runner.new_cache()
     runner.reserve(cache, len(ids))
     logits, _ = runner.prefill(torch.tensor([ids[:p0]], device=runner.device), cache, capture=False)
