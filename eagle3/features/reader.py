@@ -85,9 +85,9 @@ def load_manifest(features_dir: str | os.PathLike, require_complete: bool = True
     """
     d = Path(features_dir)
     if not d.is_dir():
-        raise Eagle3Error(f"features folder {d} does not exist; run extract.py first or name an existing one "
-                          "(features_dir=PATH for train.py, train_features_dir=PATH for evaluate.py, "
-                          "--features PATH for the diagnostics)")
+        # neutral about the option: callers name it (train.py features_dir=, evaluate.py
+        # train_features_dir=, the diagnostics' --features)
+        raise Eagle3Error(f"features folder {d} does not exist; run extract.py first or name an existing one")
     path = d / name
     if not path.exists():
         raise Eagle3Error(f"{d} has no {name}; it is not a features folder (run extract.py with output_dir={d})")
@@ -159,8 +159,7 @@ class FeatureDataset(Dataset):
     def __init__(self, features_dirs: str | os.PathLike | Iterable, splits: Sequence[str] = ("train",), verify: bool = True):
         dirs = [Path(features_dirs)] if isinstance(features_dirs, (str, os.PathLike)) else [Path(d) for d in features_dirs]
         if not dirs:
-            raise Eagle3Error("no features folder given; name one (features_dir=PATH for train.py, "
-                              "train_features_dir=PATH for evaluate.py, --features PATH for the diagnostics)")
+            raise Eagle3Error("no features folder given; name one (train.py: features_dir=PATH)")
         self.manifests = [load_manifest(d) for d in dirs]
         check_compatible(self.manifests, [str(d) for d in dirs])
         self.manifest = self.manifests[0]
