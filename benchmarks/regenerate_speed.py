@@ -38,18 +38,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.spec_decode_speed import _target  # noqa: E402  (the same random SmolLM2-shaped target)
+from benchmarks.spec_decode_speed import _target, target_args  # noqa: E402  (the same random SmolLM2-shaped target)
 
 
 def main(argv=None) -> dict:
     from eagle3.engines.hf.engine import STATIC_WIDTH_MULTIPLE, generation_config, left_pad
     from eagle3.spec import synchronize
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--model-dir", default=None)
-    ap.add_argument("--layers", type=int, default=None)
+    ap = target_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=128)

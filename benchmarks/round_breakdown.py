@@ -25,17 +25,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.spec_decode_speed import _aux_ids, _drafter, _target  # noqa: E402
+from benchmarks.spec_decode_speed import _aux_ids, _drafter, _target, target_args  # noqa: E402
 
 
 def main(argv=None) -> dict:
     from eagle3.spec import DraftTree, SpecSettings, StaticEagle3Proposer, StaticTargetRunner, accept_greedy, synchronize
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--model-dir", default=None)
-    ap.add_argument("--layers", type=int, default=None)
+    ap = target_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     ap.add_argument("--draft-vocab", type=int, default=32000)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--iters", type=int, default=200)

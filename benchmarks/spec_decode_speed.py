@@ -42,6 +42,15 @@ SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, n
                     rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True)
 
 
+def target_args(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The target options shared by the benchmarks that build :func:`_target`."""
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--model-dir", default=None, help="a local transformers folder (default: random SmolLM2-135M shape)")
+    ap.add_argument("--layers", type=int, default=None, help="target layers (random target only; default 30)")
+    return ap
+
+
 def _target(args, device, dtype):
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
@@ -102,11 +111,7 @@ def main(argv=None) -> dict:
         StaticTargetRunner, TargetRunner, synchronize, target_generate,
     )
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--model-dir", default=None, help="a local transformers folder (default: random SmolLM2-135M shape)")
-    ap.add_argument("--layers", type=int, default=None, help="target layers (random target only; default 30)")
+    ap = target_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     ap.add_argument("--draft-vocab", type=int, default=32000)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=128)

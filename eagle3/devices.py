@@ -1,4 +1,4 @@
-"""Device selection shared by the stages."""
+"""Device selection, and compiling modules in place, shared by the stages."""
 
 from __future__ import annotations
 
@@ -38,3 +38,17 @@ def cpu_has_native_bf16() -> bool | None:
     except OSError:
         return None
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def compile_in_place(modules) -> int:
+    """``nn.Module.compile(dynamic=True)`` on each module not compiled yet; returns how many.
+
+    ``Module.compile`` wraps the module's call (inductor, one graph for all shapes), so
+    parameter names and ``state_dict`` keys do not change. Idempotent.
+    """
+    n = 0
+    for m in modules:
+        if getattr(m, "_compiled_call_impl", None) is None:
+            m.compile(dynamic=True)
+            n += 1
+    return n

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import torch
 
+from eagle3.devices import compile_in_place
 from eagle3.errors import Eagle3Error
 
 
@@ -140,12 +141,7 @@ def compile_decoder_layers(model, attention_in_graph: bool = True) -> int:
         use_sdpa_outside_compile(model)
     torch._dynamo.config.allow_unspec_int_on_nn_module = True  # layer_idx: one compilation for all layers
     modules = list(owner.layers) + ([owner.norm] if getattr(owner, "norm", None) is not None else [])
-    n = 0
-    for m in modules:
-        if getattr(m, "_compiled_call_impl", None) is None:
-            m.compile(dynamic=True)
-            n += 1
-    return n
+    return compile_in_place(modules)
 
 
 def layers_compiled(model) -> bool:

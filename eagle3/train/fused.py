@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from eagle3.devices import compile_in_place
+
 #: submodule names compiled in each drafter layer (those that exist)
 LAYER_PARTS = ("input_layernorm", "hidden_norm", "post_attention_layernorm", "mlp")
 
@@ -41,9 +43,4 @@ def compile_drafter_elementwise(drafter: torch.nn.Module) -> int:
     """
     modules = [getattr(layer, name) for layer in drafter.layers for name in LAYER_PARTS if hasattr(layer, name)]
     modules.append(drafter.norm)
-    n = 0
-    for m in modules:
-        if getattr(m, "_compiled_call_impl", None) is None:
-            m.compile(dynamic=True)
-            n += 1
-    return n
+    return compile_in_place(modules)

@@ -13,17 +13,19 @@ and ``avg_spec_accept_length``) and, from 0.5.23, ``launch_command``; ``POST
 
 from __future__ import annotations
 
-import http.client
 import json
 import logging
-import random
-import socket
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any
 
+from eagle3.engines.http import (  # noqa: F401  (re-exported: the package's public names)
+    RETRY_STATUS,
+    HTTPClientError,
+    JSONHTTPClient,
+    ServerUnavailable,
+    TransientError,
+)
 from eagle3.engines.sglang.protocol import _raise_if_aborted, _with_stop_token
 from eagle3.errors import Eagle3Error
 
@@ -33,30 +35,6 @@ except ImportError:  # pragma: no cover - optional
     _orjson = None
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
-
-#: HTTP statuses retried (raised as :class:`TransientError`); any other error status is not.
-RETRY_STATUS = {500, 502, 503, 504}
-
-
-class TransientError(Exception):
-    """A failure worth retrying: HTTP 5xx, a dropped/refused connection, a timeout or a
-    truncated / malformed JSON body."""
-
-
-class ServerUnavailable(Eagle3Error):
-    """A server kept failing after all retries (the request may succeed elsewhere)."""
-
-
-class _HTTPClientError(Exception):
-    """An HTTP error status outside :data:`RETRY_STATUS` (a 4xx): not retried, and
-    turned into an :class:`~eagle3.errors.Eagle3Error` with the server's message."""
-
-    def __init__(self, code: int, text: str):
-        super().__init__(f"HTTP {code}: {text}")
-        self.code, self.text = code, text
-
 
 def _loads(data: bytes | str) -> Any:
     if _orjson is not None:
@@ -81,99 +59,21 @@ class StreamResult:
     meta_info: dict
 
 
-class SGLangClient:
-    """HTTP client for one SGLang server, with retries and per-request timeouts.
+class SGLangClient(JSONHTTPClient):
+    """HTTP client for one SGLang server, with retries and per-request timeouts
+    (:class:`eagle3.engines.http.JSONHTTPClient`: 5xx, dropped connections, timeouts and
+    malformed JSON retried up to ``max_retries`` times; 4xx raises :class:`Eagle3Error`
+    with the server's message; :class:`ServerUnavailable` when retries run out)."""
 
-    Every request is retried up to ``max_retries`` times on HTTP 5xx, connection errors
-    (refused, reset, dropped without a response), socket timeouts and malformed JSON,
-    waiting ``backoff_s * 2**attempt`` (capped at 60 s, with jitter) in between. HTTP
-    4xx is not retried: it raises :class:`Eagle3Error` with the server's message.
-    ``timeout_s`` bounds every socket operation of a request (connect, each read).
-    """
+    server_name = "SGLang"
+    unavailable = ServerUnavailable
 
-    def __init__(self, url: str, timeout_s: float = 600.0, max_retries: int = 5, backoff_s: float = 2.0):
-        self.url = url.rstrip("/")
-        self.timeout_s = float(timeout_s)
-        self.max_retries = int(max_retries)
-        self.backoff_s = float(backoff_s)
-
-    # ---------------------------------------------------------------- plumbing
-    def _open(self, method: str, path: str, body: Any | None, timeout: float):
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method=method)
-        if data is not None:
-            req.add_header("Content-Type", "application/json")
-        try:
-            return urllib.request.urlopen(req, timeout=timeout)
-        except urllib.error.HTTPError as e:
-            text = e.read().decode(errors="replace")[:500]
-            e.close()
-            if e.code in RETRY_STATUS:
-                raise TransientError(f"HTTP {e.code} from {self.url}{path}: {text}") from None
-            raise _HTTPClientError(e.code, text) from None
-        except (urllib.error.URLError, http.client.HTTPException, ConnectionError, socket.timeout, TimeoutError, OSError) as e:
-            raise TransientError(f"{type(e).__name__} talking to {self.url}{path}: {e}") from None
-
-    def _sleep_before(self, attempt: int) -> None:
-        delay = min(60.0, self.backoff_s * (2**attempt))
-        time.sleep(delay * (0.5 + random.random() / 2))
-
-    def _with_retries(self, what: str, fn: Callable[[], T], retries: int | None = None) -> T:
-        retries = self.max_retries if retries is None else retries
-        last: Exception | None = None
-        for attempt in range(retries + 1):
-            if attempt:
-                self._sleep_before(attempt - 1)
-            try:
-                return fn()
-            except TransientError as e:
-                last = e
-                log.debug("retrying %s on %s (attempt %d): %s", what, self.url, attempt + 1, e)
-            except _HTTPClientError as e:
-                raise Eagle3Error(
-                    f"the SGLang server at {self.url} refused {what} with HTTP {e.code}: {e.text}"
-                ) from None
-        raise ServerUnavailable(
-            f"the SGLang server at {self.url} failed {what} {retries + 1} times "
-            f"(last error: {last}); check that it is up and its log for errors"
-        )
-
-    def request(self, method: str, path: str, body: Any | None = None, *, retries: int | None = None,
-                timeout_s: float | None = None, parse_json: bool = True) -> Any:
-        """Send one request and return its parsed JSON body (or text if ``parse_json``
-        is False), retrying transient failures.
-
-        Raises:
-            Eagle3Error: HTTP 4xx.
-            ServerUnavailable: still failing after the retries.
-        """
-        timeout = self.timeout_s if timeout_s is None else timeout_s
-
-        def once():
-            with self._open(method, path, body, timeout) as resp:
-                try:
-                    raw = resp.read()
-                except (http.client.HTTPException, ConnectionError, socket.timeout, TimeoutError, OSError) as e:
-                    raise TransientError(f"{type(e).__name__} reading {self.url}{path}: {e}") from None
-            if not parse_json:
-                return raw.decode(errors="replace")
-            try:
-                return _loads(raw)
-            except ValueError as e:
-                raise TransientError(f"malformed JSON from {self.url}{path} ({len(raw)} bytes): {e}") from None
-
-        return self._with_retries(f"{method} {path}", once, retries)
+    @staticmethod
+    def loads(data: bytes | str) -> Any:
+        """Parse JSON with orjson when installed (the hidden-state payloads are large)."""
+        return _loads(data)
 
     # ---------------------------------------------------------------- endpoints
-    def health(self, timeout_s: float = 10.0) -> bool:
-        """True when ``GET /health`` answers 200 (one attempt, no retries)."""
-        try:
-            with self._open("GET", "/health", None, timeout_s) as resp:
-                resp.read()
-                return resp.status == 200
-        except (TransientError, _HTTPClientError):
-            return False
-
     def server_info(self) -> dict:
         """``GET /server_info``, falling back to the older ``/get_server_info``."""
         try:
@@ -214,35 +114,13 @@ class SGLangClient:
             ttft = None
             last: dict | None = None
             acc: list[int] = []
-            resp = self._open("POST", "/generate", body, self.timeout_s)
-            try:
-                while True:
-                    try:
-                        line = resp.readline()
-                    except (http.client.HTTPException, ConnectionError, socket.timeout, TimeoutError, OSError) as e:
-                        raise TransientError(f"{type(e).__name__} while streaming from {self.url}: {e}") from None
-                    if not line:
-                        break
-                    line = line.strip()
-                    if not line.startswith(b"data:"):
-                        continue
-                    payload = line[5:].strip()
-                    if payload == b"[DONE]":
-                        break
-                    try:
-                        chunk = _loads(payload)
-                    except ValueError as e:
-                        raise TransientError(f"malformed JSON chunk from {self.url}: {e}") from None
-                    if isinstance(chunk, dict) and "error" in chunk:
-                        raise Eagle3Error(f"the SGLang server at {self.url} failed a streamed request: {chunk['error']}")
-                    ids = chunk.get("output_ids") or []
-                    n = (chunk.get("meta_info") or {}).get("completion_tokens", len(ids))
-                    if ttft is None and (n or chunk.get("text")):
-                        ttft = time.perf_counter() - t0
-                    acc.extend(ids)
-                    last = chunk
-            finally:
-                resp.close()
+            for chunk in self.events("/generate", body):
+                ids = chunk.get("output_ids") or []
+                n = (chunk.get("meta_info") or {}).get("completion_tokens", len(ids))
+                if ttft is None and (n or chunk.get("text")):
+                    ttft = time.perf_counter() - t0
+                acc.extend(ids)
+                last = chunk
             latency = time.perf_counter() - t0
             if last is None:
                 raise TransientError(f"empty stream from {self.url}")
