@@ -107,6 +107,28 @@ def test_ttt_equals_chained_drafting_with_a_kv_cache():
                 h = out.hidden_states
 
 
+def test_non_finite_check_agrees_with_isfinite_at_every_position_and_value():
+    # the collator's aminmax check against the reference torch.isfinite(...).all(): one bad value
+    # (NaN of either sign, +Inf, -Inf) at a random position, or none, in bf16 and float32 aux states
+    g = torch.Generator().manual_seed(5)
+    for trial in range(240):
+        T = int(torch.randint(1, 300, (1,), generator=g))
+        aux = torch.randn(T, 3, 16, generator=g).to(torch.bfloat16 if trial % 2 else torch.float32)
+        kind = trial % 5
+        if kind < 4:
+            pos = int(torch.randint(0, aux.numel(), (1,), generator=g))
+            aux.view(-1)[pos] = (float("nan"), float("inf"), float("-inf"), -float("nan"))[kind]
+        sample = {"aux_hidden_states": aux, "topk_logprobs": torch.zeros(T, 4)}
+        assert TTTCollator.is_finite(sample) == bool(torch.isfinite(aux).all()), (trial, kind)
+    empty = {"aux_hidden_states": torch.zeros(0, 3, 16, dtype=torch.bfloat16), "topk_logprobs": torch.zeros(0, 4)}
+    assert TTTCollator.is_finite(empty)
+    # log-probs: NaN and +Inf are bad, -Inf (a token the target rules out) is not
+    ok = {"aux_hidden_states": torch.zeros(2, 3, 16), "topk_logprobs": torch.tensor([[0.0, -float("inf")]] * 2)}
+    assert TTTCollator.is_finite(ok)
+    for v in (float("nan"), float("inf")):
+        assert not TTTCollator.is_finite({**ok, "topk_logprobs": torch.tensor([[0.0, v]] * 2)})
+
+
 def test_loss_is_weighted_mean_kl_and_batching_pads_right():
     torch.manual_seed(2)
     m = Eagle3Drafter(ARCH)

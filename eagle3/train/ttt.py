@@ -166,10 +166,8 @@ class TTTCollator:
     def is_finite(sample: dict) -> bool:
         """False when the aux states hold NaN/Inf or the log-probs NaN/+Inf."""
         aux = sample["aux_hidden_states"]
-        if aux.dtype == torch.bfloat16:  # NaN/Inf <=> exponent bits all set: |bits| >= 0x7F80
-            bad_aux = int((aux.view(torch.int16) & 0x7FFF).max()) >= 0x7F80  # ~8x faster than isfinite
-        else:
-            bad_aux = not bool(torch.isfinite(aux).all())
+        # NaN propagates through aminmax and +-Inf is an extreme: ~6x faster than isfinite().all()
+        bad_aux = aux.numel() > 0 and not bool(torch.isfinite(torch.stack(torch.aminmax(aux))).all())
         lp = sample["topk_logprobs"]
         return not bad_aux and not bool((torch.isnan(lp) | (lp == float("inf"))).any())
 
@@ -184,13 +182,14 @@ class TTTCollator:
         H3 = good[0]["aux_hidden_states"].shape[1] * good[0]["aux_hidden_states"].shape[2] if good else 0
         k = good[0]["topk_ids"].shape[1] if good else 1
         input_ids = torch.zeros(B, T, dtype=torch.int64)
-        aux = torch.zeros(B, T, H3, dtype=torch.bfloat16)
+        aux = torch.empty(B, T, H3, dtype=torch.bfloat16)  # the largest tensor: only its padding is zeroed
         mask = torch.zeros(B, T, dtype=torch.bool)
         top_ids = torch.zeros(B, T, k, dtype=torch.int64)
         top_lp = torch.zeros(B, T, k, dtype=torch.float32)
         for b, (s, n) in enumerate(zip(good, L)):
             input_ids[b, :n] = s["input_ids"][:n]
             aux[b, :n] = s["aux_hidden_states"][:n].reshape(n, -1)
+            aux[b, n:] = 0
             mask[b, :n] = s["loss_mask"][:n].bool()
             top_ids[b, :n] = s["topk_ids"][:n]
             top_lp[b, :n] = s["topk_logprobs"][:n]
