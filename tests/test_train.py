@@ -303,3 +303,20 @@ def test_hydra_multirun_gives_one_folder_per_job_and_a_summary(tmp_path):
     table = (sweep / "summary.md").read_text()
     assert "drafter.ttt_steps=1" in table and "drafter.ttt_steps=2" in table and "tau" in table
     assert "sweep summary" in r.stdout
+
+
+def test_the_cpu_main_job_recipe_is_the_h200_recipes_lr_and_ttt_and_keeps_the_default_folders():
+    # the README's main job trains with experiment=train-cpu, then `python evaluate.py` must find
+    # the drafter where it always does: same features and output folders as the defaults
+    from hydra import compose, initialize_config_dir
+
+    from eagle3.cli import to_typed
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        default = to_typed(compose("train"))
+        cpu = to_typed(compose("train", ["experiment=train-cpu"]))
+        h200 = to_typed(compose("train", ["experiment=h200"]))
+    assert (cpu.features_dir, cpu.output_dir, cpu.device) == (default.features_dir, default.output_dir, default.device)
+    assert (cpu.optim.lr, cpu.drafter.ttt_steps) == (h200.optim.lr, h200.drafter.ttt_steps) == (1e-3, 3)
+    assert (default.optim.lr, default.drafter.ttt_steps, default.loop.epochs) == (1e-4, 7, 1)
+    assert cpu.loop.epochs == 10 and cpu.loop.max_tokens_per_batch == default.loop.max_tokens_per_batch
