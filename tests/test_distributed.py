@@ -22,8 +22,9 @@ WORKER = Path(__file__).resolve().parent / "dist_train_worker.py"
 COMMON = ["loop.max_steps=4", "loop.save_every=1000", "drafter.feature_noise=0.1"]
 
 
-def launch(features: Path, out: Path, processes: int, grad_accum: int, stop_after=None) -> None:
-    args = [str(features), str(out)] + ([str(stop_after)] if stop_after else []) + COMMON + [f"loop.grad_accum={grad_accum}"]
+def launch(features: Path, out: Path, processes: int, grad_accum: int, stop_after=None, extra=()) -> None:
+    args = ([str(features), str(out)] + ([str(stop_after)] if stop_after else []) + COMMON
+            + [f"loop.grad_accum={grad_accum}", *extra])
     if processes == 1:
         cmd = [sys.executable, str(WORKER), *args]
     else:
@@ -109,3 +110,19 @@ def test_resume_with_another_global_batch_is_refused(runs):
     launch(runs / "f", out, processes=2, grad_accum=1, stop_after=2)
     with pytest.raises(AssertionError, match="micro_batches_per_step=2"):
         launch(runs / "f", out, processes=1, grad_accum=1)
+
+
+def test_two_processes_with_the_compiled_drafter_train_the_eager_single_process_weights(runs):
+    # loop.compile_drafter under DDP: the compiled norms and MLPs inside the wrapped model, the
+    # gradients all-reduced through DDP's parameter hooks; the same samples and, up to the
+    # compiled kernels' float32 rounding, the same weights as one eager process
+    out = runs / "two-compiled"
+    launch(runs / "f", out, processes=2, grad_accum=1, extra=["loop.compile_drafter=true"])
+    assert order(out) == order(runs / "one")
+    a = load_file(str(out / "checkpoints" / "step-00000004" / "model.safetensors"))
+    b = load_file(str(runs / "one" / "checkpoints" / "step-00000004" / "model.safetensors"))
+    assert a.keys() == b.keys()  # Module.compile keeps the parameter names
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=k)
+    m, eager = (json.loads((d / "metrics.json").read_text()) for d in (out, runs / "one"))
+    assert m["num_processes"] == 2 and m["compiled_modules"] > 0 and eager["compiled_modules"] == 0

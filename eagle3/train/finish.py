@@ -131,6 +131,9 @@ def _metrics(run: Run, progress: Progress, last_val: Optional[dict]) -> dict:
         "drafter": asdict(run.arch),
         "max_tokens_per_batch": run.max_tokens,
         "ttt_steps": run.cfg.drafter.ttt_steps,
+        # loop.compile_drafter: how many of the drafter's modules ran compiled (0 = eager)
+        "compiled_modules": sum(getattr(m, "_compiled_call_impl", None) is not None
+                                for m in acc.unwrap_model(run.model).drafter.modules()),
         **_peak_memory(),
     }
 
