@@ -260,6 +260,9 @@ class LoopConfig:
     # kernels, forward and backward); the weights and checkpoints are the eager drafter's, so a run
     # may resume with it changed. Off until timed on a GPU (benchmarks/train_throughput.py --compile)
     compile_drafter: bool = False
+    # the loss through lm_head chunk by chunk without keeping the [rows, draft vocab] logits for the
+    # backward pass (eagle3/train/loss.py: the same loss and gradients); not with FSDP
+    fused_loss: bool = False
 
 
 @dataclass

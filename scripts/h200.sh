@@ -25,7 +25,7 @@
 # python -m eagle3.train.curve <run>/metrics.json ... tabulates and plots it).
 # A regulariser for the training/validation gap: SWEEP="drafter.feature_noise=0,0.05,0.1" (0.1 measured:
 # no gain, docs/results.md).
-# bench_train_compile and bench_loader (not in the default STAGES): loop.compile_drafter timed against eager,
+# bench_train_compile and bench_loader (not in the default STAGES): loop.compile_drafter and loop.fused_loss timed against eager,
 # and the batches/s the training data path delivers (is it what holds the first ~1,500 steps at 2-5 steps/s?).
 # bench_regen (not in the default STAGES): benchmarks/regenerate_speed.py at batch 256. extract_gsm8k regenerates the train and validation splits that
 # extraction carves out of GSM8K's test set (1,259 of its 1,319 questions; there is no GSM8K train
@@ -107,8 +107,9 @@ for stage in $STAGES; do
   bench_train)
     python benchmarks/train_throughput.py --device cuda --iters 5 --chain-chunks 0,128,256 --json "$RUN/bench_train.json" 2>&1 | tee "$RUN/bench_train.log"
     ;;
-  bench_train_compile)  # loop.compile_drafter against eager, alternating (not yet timed on a GPU)
-    python benchmarks/train_throughput.py --device cuda --iters 5 --compile both --rounds 2 2>&1 | tee "$RUN/bench_train_compile.log"
+  bench_train_compile)  # loop.compile_drafter and loop.fused_loss against eager, alternating (not yet timed on a GPU)
+    python benchmarks/train_throughput.py --device cuda --iters 5 --compile both --fused-loss both --rounds 2 2>&1 \
+      | tee "$RUN/bench_train_compile.log"
     ;;
   bench_loader)  # the training data path, pinning and host-to-device copies included, in batches/s
     python benchmarks/train_loader.py --device cuda --samples 1024 --batches 48 --workers 0,4,8 2>&1 | tee "$RUN/bench_loader.log"

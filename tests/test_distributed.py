@@ -112,12 +112,13 @@ def test_resume_with_another_global_batch_is_refused(runs):
         launch(runs / "f", out, processes=1, grad_accum=1)
 
 
-def test_two_processes_with_the_compiled_drafter_train_the_eager_single_process_weights(runs):
-    # loop.compile_drafter under DDP: the compiled norms and MLPs inside the wrapped model, the
-    # gradients all-reduced through DDP's parameter hooks; the same samples and, up to the
-    # compiled kernels' float32 rounding, the same weights as one eager process
+def test_two_processes_with_the_compiled_drafter_and_fused_loss_train_the_eager_single_process_weights(runs):
+    # loop.compile_drafter and loop.fused_loss under DDP: the compiled norms and MLPs inside the
+    # wrapped model, lm_head.weight used by the fused loss outside lm_head's forward, the gradients
+    # all-reduced through DDP's parameter hooks; the same samples and, up to float32 rounding
+    # (fused kernels, recomputed logits), the same weights as one eager process
     out = runs / "two-compiled"
-    launch(runs / "f", out, processes=2, grad_accum=1, extra=["loop.compile_drafter=true"])
+    launch(runs / "f", out, processes=2, grad_accum=1, extra=["loop.compile_drafter=true", "loop.fused_loss=true"])
     assert order(out) == order(runs / "one")
     a = load_file(str(out / "checkpoints" / "step-00000004" / "model.safetensors"))
     b = load_file(str(runs / "one" / "checkpoints" / "step-00000004" / "model.safetensors"))
@@ -126,3 +127,4 @@ def test_two_processes_with_the_compiled_drafter_train_the_eager_single_process_
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=k)
     m, eager = (json.loads((d / "metrics.json").read_text()) for d in (out, runs / "one"))
     assert m["num_processes"] == 2 and m["compiled_modules"] > 0 and eager["compiled_modules"] == 0
+    assert m["fused_loss"] and not eager["fused_loss"]

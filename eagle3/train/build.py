@@ -143,6 +143,10 @@ def build_run(cfg: Any, target: Any, embed: torch.Tensor, lm_head: Optional[torc
     if cfg.loop.compile_drafter:
         log.info("loop.compile_drafter: compiled %d norm and MLP modules of the drafter",
                  compile_drafter_elementwise(model.drafter))
+    if cfg.loop.fused_loss and accelerator.distributed_type.value == "FSDP":
+        raise Eagle3Error("loop.fused_loss reads lm_head.weight outside lm_head's forward, which FSDP shards; "
+                          "train with DDP (accelerate/ddp.yaml) or pass loop.fused_loss=false")
+    model.fused_loss = bool(cfg.loop.fused_loss)
     params = [p for p in model.parameters() if p.requires_grad]
     ocfg = cfg.optim
     optimizer = torch.optim.AdamW(

@@ -134,6 +134,7 @@ def _metrics(run: Run, progress: Progress, last_val: Optional[dict]) -> dict:
         # loop.compile_drafter: how many of the drafter's modules ran compiled (0 = eager)
         "compiled_modules": sum(getattr(m, "_compiled_call_impl", None) is not None
                                 for m in acc.unwrap_model(run.model).drafter.modules()),
+        "fused_loss": bool(acc.unwrap_model(run.model).fused_loss),  # loop.fused_loss as the run used it
         **_peak_memory(),
     }
 

@@ -47,6 +47,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from eagle3.train.drafter import Eagle3Drafter
+from eagle3.train.loss import fused_topk_kl, kl_loss, target_distribution  # noqa: F401  (re-exported)
 from eagle3.train.noise import add_feature_noise
 from eagle3.train.ttt_attention import ChainMask, ttt_attention_mask  # noqa: F401  (ttt_attention_mask: re-exported)
 
@@ -69,30 +70,6 @@ def target_to_draft_index(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return idx
 
 
-def target_distribution(
-    topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, t2d_index: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Target top-k restricted to the draft vocabulary and renormalised.
-
-    Args:
-        topk_ids: ``[N, k]`` int target ids; topk_logprobs ``[N, k]`` float log-probs
-            (full-vocabulary log-softmax; ``-inf`` allowed).
-        t2d_index: ``[V]`` from :func:`target_to_draft_index`.
-
-    Returns:
-        ``(draft_ids [N, k] int64, q [N, k] float32)``: entries outside the draft
-        vocabulary get id 0 and ``q = 0``; rows with no entry inside sum to 0.
-    """
-    d = t2d_index[topk_ids.long()]
-    inside = (d >= 0) & torch.isfinite(topk_logprobs)
-    lp = topk_logprobs.float().masked_fill(~inside, float("-inf"))
-    m = lp.max(dim=-1, keepdim=True).values
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    w = torch.exp(lp - m)
-    q = w / w.sum(-1, keepdim=True).clamp_min(1e-30)
-    return d.clamp_min(0), q
-
-
 def chain_acceptance(hits: Sequence[torch.Tensor], chain_starts: torch.Tensor) -> torch.Tensor:
     """Accepted draft steps per chain: ``sum_j prod_{i<=j} hits[i]`` where a chain starts.
 
@@ -110,23 +87,6 @@ def chain_acceptance(hits: Sequence[torch.Tensor], chain_starts: torch.Tensor) -
         run &= h
         accepted += run
     return accepted
-
-
-def kl_loss(logits: torch.Tensor, draft_ids: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Forward KL ``sum_k q_k (log q_k - log p_k)`` per row, in float32.
-
-    Args:
-        logits: ``[N, Vd]`` drafter logits (any float dtype; upcast before log-softmax).
-        draft_ids: ``[N, k]`` int64 draft ids of the target's top-k.
-        q: ``[N, k]`` target probabilities over those ids (rows sum to 1).
-
-    Returns:
-        ``[N]`` float32.
-    """
-    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, draft_ids)  # [N, k]
-    q = q.float()
-    logq = torch.where(q > 0, q.clamp_min(1e-38).log(), torch.zeros_like(q))
-    return (q * (logq - logp)).sum(-1)
 
 
 # ------------------------------------------------------------------- batching
@@ -257,6 +217,17 @@ def batch_to(batch: dict, device: torch.device | str, non_blocking: bool = True)
 
 
 # ------------------------------------------------------------------- the unroll
+def _step_loss(drafter: Eagle3Drafter, h_rows: torch.Tensor, draft_ids: torch.Tensor, q: torch.Tensor,
+               fused: bool) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """One TTT step's loss rows ``h_rows [N, H]`` -> ``(KL [N] float32, drafter argmax [N], logits [N, Vd] or
+    None)``; ``fused``: through :func:`eagle3.train.loss.fused_topk_kl`, no logits kept."""
+    if fused:
+        kl, top = fused_topk_kl(drafter.norm(h_rows), drafter.lm_head.weight, draft_ids, q)
+        return kl, top, None
+    logits = drafter.compute_logits(h_rows)
+    return kl_loss(logits, draft_ids, q), logits.detach().argmax(-1), logits
+
+
 @dataclass
 class TTTOutput:
     """Result of :func:`ttt_forward`.
@@ -287,6 +258,7 @@ def ttt_forward(
     step_weight: float = 0.8,
     return_logits: bool = False,
     chain_chunk: int | None = None,
+    fused_loss: bool = False,
 ) -> TTTOutput:
     """Unroll ``ttt_steps`` draft steps over a collated batch (see module docstring).
 
@@ -296,6 +268,8 @@ def ttt_forward(
         batch: from :class:`TTTCollator`, on the drafter's device.
         chain_chunk: steps ``>= 1`` attend per chunk of this many chain rows
             (:class:`ChainMask`); None = one dense mask per step.
+        fused_loss: the loss and argmax through ``lm_head`` chunk by chunk without keeping
+            the logits (:func:`eagle3.train.loss.fused_topk_kl`); ignored with ``return_logits``.
 
     Returns:
         :class:`TTTOutput`. Runs in the caller's autocast context; the loss is
@@ -340,12 +314,12 @@ def ttt_forward(
         hidden = out.hidden_states  # [B, T or T', H]
         rows = batch["rows"][j]
         n = rows.numel()
-        logits = drafter.compute_logits(hidden.reshape(-1, hidden.shape[-1])[rows])  # [N_j, Vd]
-        kl = kl_loss(logits, batch["target_ids"][j], batch["target_q"][j])  # [N_j]
+        kl, top, logits = _step_loss(drafter, hidden.reshape(-1, hidden.shape[-1])[rows], batch["target_ids"][j],
+                                     batch["target_q"][j], fused_loss and not return_logits)
         if n:
             loss = loss + (step_weight**j) * kl.sum() / n
         with torch.no_grad():
-            correct = logits.argmax(-1) == batch["target_ids"][j][:, 0]
+            correct = top == batch["target_ids"][j][:, 0]
             stats[j, 0] = kl.detach().sum()
             stats[j, 1] = n
             stats[j, 2] = correct.sum()
@@ -371,6 +345,7 @@ class TTTModel(nn.Module):
         self.step_weight = step_weight
         self.chain_chunk = chain_chunk
         self.feature_noise = feature_noise
+        self.fused_loss = False  # loop.fused_loss (eagle3.train.loss.fused_topk_kl)
         self.noise_seed: Optional[int] = None  # set per micro-batch by the loop (eagle3.train.noise.noise_seed)
 
     def forward(self, batch: dict) -> TTTOutput:
@@ -379,7 +354,8 @@ class TTTModel(nn.Module):
         if self.feature_noise > 0 and self.drafter.training:
             batch = {**batch, "aux_hidden_states": add_feature_noise(batch["aux_hidden_states"], self.feature_noise,
                                                                      self.noise_seed)}
-        return ttt_forward(self.drafter, batch, self.ttt_steps, self.step_weight, chain_chunk=self.chain_chunk)
+        return ttt_forward(self.drafter, batch, self.ttt_steps, self.step_weight, chain_chunk=self.chain_chunk,
+                           fused_loss=self.fused_loss)
 
 
 def summarize(step_stats: torch.Tensor, accepted: float, num_chains: int, step_weight: float) -> dict:
