@@ -106,3 +106,20 @@ def test_a_run_with_the_fused_loss_trains_the_eager_runs_drafter_and_resumes_eit
         assert got.keys() == want.keys()
         for k in want:
             torch.testing.assert_close(got[k], want[k], atol=1e-5, rtol=1e-4, msg=f"{run}: {k}")
+
+
+def test_fused_loss_is_refused_under_fsdp_before_anything_is_trained(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    import eagle3.train.build as build
+    from eagle3.errors import Eagle3Error
+    from eagle3.train.run import train_drafter
+    from toy import embed, make_cfg, tiny_target, write_features
+
+    write_features(tmp_path / "f", n=10)
+    real = build._accelerator
+    monkeypatch.setattr(build, "_accelerator", lambda *a: SimpleNamespace(
+        real=real(*a), distributed_type=SimpleNamespace(value="FSDP")))
+    with pytest.raises(Eagle3Error, match="loop.fused_loss.*FSDP.*loop.fused_loss=false"):
+        train_drafter(make_cfg(tmp_path / "f", tmp_path / "out", **{"loop.fused_loss": True}), tiny_target(), embed())
+    assert not (tmp_path / "out" / "checkpoints").exists()

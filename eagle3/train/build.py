@@ -119,6 +119,9 @@ def build_run(cfg: Any, target: Any, embed: torch.Tensor, lm_head: Optional[torc
     max_tokens = default_max_tokens(cfg.loop.max_tokens_per_batch, device)
     output_dir.mkdir(parents=True, exist_ok=True)
     accelerator = _accelerator(cfg, device, mp, output_dir)
+    if cfg.loop.fused_loss and accelerator.distributed_type.value == "FSDP":
+        raise Eagle3Error("loop.fused_loss reads lm_head.weight outside lm_head's forward, which FSDP shards; "
+                          "train with DDP (accelerate/ddp.yaml) or pass loop.fused_loss=false")
     # the optimizer step's global batch; grad_accum and the process count may change on resume as long as
     # their product does not (2 processes x grad_accum 1 resume as 1 process x grad_accum 2)
     micro_batches_per_step = cfg.loop.grad_accum * accelerator.num_processes
@@ -143,9 +146,6 @@ def build_run(cfg: Any, target: Any, embed: torch.Tensor, lm_head: Optional[torc
     if cfg.loop.compile_drafter:
         log.info("loop.compile_drafter: compiled %d norm and MLP modules of the drafter",
                  compile_drafter_elementwise(model.drafter))
-    if cfg.loop.fused_loss and accelerator.distributed_type.value == "FSDP":
-        raise Eagle3Error("loop.fused_loss reads lm_head.weight outside lm_head's forward, which FSDP shards; "
-                          "train with DDP (accelerate/ddp.yaml) or pass loop.fused_loss=false")
     model.fused_loss = bool(cfg.loop.fused_loss)
     params = [p for p in model.parameters() if p.requires_grad]
     ocfg = cfg.optim
