@@ -105,6 +105,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--dir", default=None, help="features folder to write (default: a temporary one)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
+    try:
+        workers = [int(x) for x in a.workers.split(",")]
+    except ValueError:
+        ap.error(f"--workers {a.workers!r}: give comma-separated worker counts, e.g. 0,2")
+    for name in ("samples", "batches", "hidden", "top_k", "vocab", "draft_vocab", "min_len", "max_tokens", "ttt_steps"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1")
+    if a.max_len < a.min_len or a.draft_vocab > a.vocab or min(workers) < 0:
+        ap.error("need --min-len <= --max-len, --draft-vocab <= --vocab and worker counts >= 0")
     device = torch.device(a.device)
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -129,7 +138,7 @@ def main(argv=None) -> dict:
         out = {"samples": len(ds), "batches_per_epoch": len(batches), "tokens_per_batch": statistics.mean(sizes),
                "write_s": written, "read_batches_per_s": read_rate, "collate_batches_per_s": collate_rate,
                "finite_check_batches_per_s": finite_rate, "loader": {}}
-        for w in [int(x) for x in a.workers.split(",")]:
+        for w in workers:
             out["loader"][w] = time_loader(ds, timed, collator, w, device, pin=device.type == "cuda")
 
     print(f"{out['samples']} samples ({a.min_len}-{a.max_len} tokens, aux 3 x {a.hidden} bf16, top-{a.top_k}), "
