@@ -33,16 +33,20 @@
 # finished, and evaluation scores GSM8K on the 60 held-out questions (those trained on are left out). A multi-turn extraction (MAX_TURNS > 1) is
 # planned by turn count; every turn (MAX_TURNS=null) is slow: docs/performance.md.
 # extract_sampled (not in the default STAGES) answers the same ShareGPT prompts once more at
-# temperature SAMPLED_TEMPERATURE (first turn) into $RUN/features-sampled; train then reads it
-# too (the best recipe so far: docs/results.md, 2026-12-03, third session):
+# temperature SAMPLED_TEMPERATURE (SAMPLED_TURNS turns, default 1) into $RUN/features-sampled; train then
+# reads it too (the best recipe so far: docs/results.md, 2026-12-03, third session):
 #   STAGES="extract extract_gsm8k extract_sampled train evaluate timing" MAX_TURNS=2 bash scripts/h200.sh
+# More data of the same kind: SAMPLED_SEEDS="1 2 3" answers them once per seed (seed 1 into
+# features-sampled, seed s into features-sampled-s<s>); train reads every one that finished.
+# A time-boxed GPU: DEADLINE=<epoch seconds> caps training with loop.time_limit_min so that
+# EVAL_RESERVE seconds (default 300) are left, and stops evaluation at the deadline.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN=${RUN:-runs/h200}
 PROMPTS=${PROMPTS:-8000}
 EXTRACT_WORKERS=${EXTRACT_WORKERS:-4}
 MAX_TURNS=${MAX_TURNS:-1}
-MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-128}
+MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-160}  # ShareGPT replies; the 2026-12-04 runs' length
 EPOCHS=${EPOCHS:-10}
 EVAL_PROMPTS=${EVAL_PROMPTS:-200}
 EVAL_WORKERS=${EVAL_WORKERS:-12}
@@ -52,6 +56,10 @@ STAGES=${STAGES:-"extract extract_gsm8k train bench_train evaluate timing bench_
 FEAT=${FEAT:-$RUN/features}
 TRAIN_OVERRIDES=${TRAIN_OVERRIDES:-}
 SAMPLED_TEMPERATURE=${SAMPLED_TEMPERATURE:-0.7}
+SAMPLED_TURNS=${SAMPLED_TURNS:-1}
+SAMPLED_SEEDS=${SAMPLED_SEEDS:-1}
+DEADLINE=${DEADLINE:-}
+EVAL_RESERVE=${EVAL_RESERVE:-300}
 SWEEP=${SWEEP:-"drafter.intermediate_size=1536,6144"}
 GENERATE_CACHE=${GENERATE_CACHE:-auto}
 # float8_e4m3fn: aux states in about half the disk (benchmarks/fp8_features.py: no measurable cost to a drafter)
@@ -65,10 +73,17 @@ same_gpu() { python -c "import sys; print('[' + ','.join(['cuda:0'] * int(sys.ar
 benches="gsm8k,humaneval,sharegpt${MTBENCH:+,mtbench}"
 features() {  # $FEAT plus the GSM8K and sampled extractions where they finished
   local f="$FEAT" extra
-  for extra in features-gsm8k features-sampled; do
-    grep -qs '"complete": true' "$RUN/$extra/manifest.json" && f="$f,$RUN/$extra"
+  for extra in "$RUN"/features-gsm8k "$RUN"/features-sampled "$RUN"/features-sampled-s*; do
+    grep -qs '"complete": true' "$extra/manifest.json" && f="$f,$extra"
   done
   echo "$f"
+}
+limits() {  # train.py's time limit from DEADLINE, leaving EVAL_RESERVE seconds
+  [ -n "$DEADLINE" ] || return 0
+  echo "loop.time_limit_min=$(( (DEADLINE - $(date +%s) - EVAL_RESERVE) / 60 ))"
+}
+until_deadline() {  # run a command, stopped at DEADLINE if one is set
+  if [ -n "$DEADLINE" ]; then timeout $(( DEADLINE - $(date +%s) )) "$@"; else "$@"; fi
 }
 mt=(); [ -n "${MTBENCH:-}" ] && mt=(data.mtbench_path="$MTBENCH")
 
@@ -86,14 +101,17 @@ for stage in $STAGES; do
       parallel.workers="$EXTRACT_WORKERS" parallel.devices="$(same_gpu "$EXTRACT_WORKERS")" 2>&1 | tee "$RUN/extract-gsm8k.log"
     ;;
   extract_sampled)
-    python extract.py engine.device=cuda data.limit="$PROMPTS" capture.max_turns=1 sampling.max_new_tokens="$MAX_NEW_TOKENS" capture.aux_dtype="$AUX_DTYPE" \
-      sampling.temperature="$SAMPLED_TEMPERATURE" sampling.seed=1 output_dir="$RUN/features-sampled" \
-      engine.generate_cache="$GENERATE_CACHE" \
-      engine.max_batch_tokens=32768 parallel.workers="$EXTRACT_WORKERS" parallel.devices="$(same_gpu "$EXTRACT_WORKERS")" 2>&1 | tee "$RUN/extract-sampled.log"
+    for seed in $SAMPLED_SEEDS; do
+      out="$RUN/features-sampled"; [ "$seed" = 1 ] || out="$out-s$seed"
+      python extract.py engine.device=cuda data.limit="$PROMPTS" capture.max_turns="$SAMPLED_TURNS" sampling.max_new_tokens="$MAX_NEW_TOKENS" capture.aux_dtype="$AUX_DTYPE" \
+        sampling.temperature="$SAMPLED_TEMPERATURE" sampling.seed="$seed" output_dir="$out" \
+        engine.generate_cache="$GENERATE_CACHE" \
+        engine.max_batch_tokens=32768 parallel.workers="$EXTRACT_WORKERS" parallel.devices="$(same_gpu "$EXTRACT_WORKERS")" 2>&1 | tee "$out.log"
+    done
     ;;
   train)
     python train.py experiment=h200 loop.epochs="$EPOCHS" features_dir="'$(features)'" output_dir="$DRAFTER" \
-      $TRAIN_OVERRIDES 2>&1 | tee "$RUN/train.log"
+      $TRAIN_OVERRIDES $(limits) 2>&1 | tee "$RUN/train.log"
     ;;
   sweep)  # Hydra multirun: one recipe at a time into $RUN/sweep/<n>, each then evaluated like `evaluate`
     python train.py -m experiment=h200 loop.epochs="$EPOCHS" features_dir="'$(features)'" output_dir="$RUN/sweep" \
@@ -115,7 +133,7 @@ for stage in $STAGES; do
     python benchmarks/train_loader.py --device cuda --samples 1024 --batches 48 --workers 0,4,8 2>&1 | tee "$RUN/bench_loader.log"
     ;;
   evaluate)
-    python evaluate.py engine.device=cuda data.names="[$benches]" data.limit="$EVAL_PROMPTS" \
+    until_deadline python evaluate.py engine.device=cuda data.names="[$benches]" data.limit="$EVAL_PROMPTS" \
       max_new_tokens="$EVAL_MAX_NEW_TOKENS" drafter_dir="$DRAFTER/export/sglang" output_dir="$RUN/eval" \
       workers="$EVAL_WORKERS" devices="$(same_gpu "$EVAL_WORKERS")" "${mt[@]}" 2>&1 | tee "$RUN/evaluate.log"
     ;;
