@@ -258,10 +258,12 @@ class LoopConfig:
     train_fraction: float = 1.0
     # compile the drafter's norms and MLPs with inductor (eagle3/train/fused.py: fused elementwise
     # kernels, forward and backward); the weights and checkpoints are the eager drafter's, so a run
-    # may resume with it changed. Off until timed on a GPU (benchmarks/train_throughput.py --compile)
+    # may resume with it changed. Kimi-shaped drafter on one H200: 0.954x the eager step (MFU 41.6% ->
+    # 43.7%); off by default (compile time at start, untested with FSDP, slower on CPU; docs/performance.md)
     compile_drafter: bool = False
     # the loss through lm_head chunk by chunk without keeping the [rows, draft vocab] logits for the
-    # backward pass (eagle3/train/loss.py: the same loss and gradients); not with FSDP
+    # backward pass (eagle3/train/loss.py: the same loss and gradients); not with FSDP. A memory
+    # lever: Kimi-shaped on one H200, 2.8 GB less peak memory and a 1.15x slower step
     fused_loss: bool = False
 
 
