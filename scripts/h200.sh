@@ -38,6 +38,9 @@
 #   STAGES="extract extract_gsm8k extract_sampled train evaluate timing" MAX_TURNS=2 bash scripts/h200.sh
 # More data of the same kind: SAMPLED_SEEDS="1 2 3" answers them once per seed (seed 1 into
 # features-sampled, seed s into features-sampled-s<s>); train reads every one that finished.
+# extract_humaneval (not in the default STAGES): code prompts, the only ones offline being HumanEval's: half of
+# them (data.test_fraction=0.5: 84 to train on, 80 held out, which evaluation then scores), one reply per seed
+# in HUMANEVAL_SEEDS (0 = greedy, others sampled at SAMPLED_TEMPERATURE) into $RUN/features-humaneval-s<seed>.
 # A time-boxed GPU: DEADLINE=<epoch seconds> caps training with loop.time_limit_min so that
 # EVAL_RESERVE seconds (default 300) are left, and stops evaluation at the deadline.
 set -euo pipefail
@@ -58,6 +61,7 @@ TRAIN_OVERRIDES=${TRAIN_OVERRIDES:-}
 SAMPLED_TEMPERATURE=${SAMPLED_TEMPERATURE:-0.7}
 SAMPLED_TURNS=${SAMPLED_TURNS:-1}
 SAMPLED_SEEDS=${SAMPLED_SEEDS:-1}
+HUMANEVAL_SEEDS=${HUMANEVAL_SEEDS:-0 1 2 3}
 DEADLINE=${DEADLINE:-}
 EVAL_RESERVE=${EVAL_RESERVE:-300}
 SWEEP=${SWEEP:-"drafter.intermediate_size=1536,6144"}
@@ -73,7 +77,7 @@ same_gpu() { python -c "import sys; print('[' + ','.join(['cuda:0'] * int(sys.ar
 benches="gsm8k,humaneval,sharegpt${MTBENCH:+,mtbench}"
 features() {  # $FEAT plus the GSM8K and sampled extractions where they finished
   local f="$FEAT" extra
-  for extra in "$RUN"/features-gsm8k "$RUN"/features-sampled "$RUN"/features-sampled-s*; do
+  for extra in "$RUN"/features-gsm8k "$RUN"/features-sampled "$RUN"/features-sampled-s* "$RUN"/features-humaneval-s*; do
     grep -qs '"complete": true' "$extra/manifest.json" && f="$f,$extra"
   done
   echo "$f"
@@ -107,6 +111,14 @@ for stage in $STAGES; do
         sampling.temperature="$SAMPLED_TEMPERATURE" sampling.seed="$seed" output_dir="$out" \
         engine.generate_cache="$GENERATE_CACHE" \
         engine.max_batch_tokens=32768 parallel.workers="$EXTRACT_WORKERS" parallel.devices="$(same_gpu "$EXTRACT_WORKERS")" 2>&1 | tee "$out.log"
+    done
+    ;;
+  extract_humaneval)
+    for seed in $HUMANEVAL_SEEDS; do
+      t=$SAMPLED_TEMPERATURE; [ "$seed" = 0 ] && t=0
+      python extract.py engine.device=cuda data=humaneval data.test_fraction=0.5 capture.max_turns=1 sampling.max_new_tokens=256 \
+        sampling.temperature="$t" sampling.seed="$seed" capture.aux_dtype="$AUX_DTYPE" engine.generate_cache="$GENERATE_CACHE" \
+        output_dir="$RUN/features-humaneval-s$seed" 2>&1 | tee "$RUN/features-humaneval-s$seed.log"
     done
     ;;
   train)
