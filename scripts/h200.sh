@@ -75,19 +75,23 @@ export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=10
 stamp() { echo "[$(date +%H:%M:%S)] $*"; }
 same_gpu() { python -c "import sys; print('[' + ','.join(['cuda:0'] * int(sys.argv[1])) + ']')" "$1"; }
 benches="gsm8k,humaneval,sharegpt${MTBENCH:+,mtbench}"
-features() {  # $FEAT plus the GSM8K and sampled extractions where they finished
+features() {  # $FEAT plus the GSM8K, sampled and HumanEval extractions that finished
   local f="$FEAT" extra
   for extra in "$RUN"/features-gsm8k "$RUN"/features-sampled "$RUN"/features-sampled-s* "$RUN"/features-humaneval-s*; do
     grep -qs '"complete": true' "$extra/manifest.json" && f="$f,$extra"
   done
   echo "$f"
 }
-limits() {  # train.py's time limit from DEADLINE, leaving EVAL_RESERVE seconds
+limits() {  # train.py's time limit from DEADLINE, leaving EVAL_RESERVE seconds (at least a minute)
   [ -n "$DEADLINE" ] || return 0
-  echo "loop.time_limit_min=$(( (DEADLINE - $(date +%s) - EVAL_RESERVE) / 60 ))"
+  local m=$(( (DEADLINE - $(date +%s) - EVAL_RESERVE) / 60 ))
+  echo "loop.time_limit_min=$(( m < 1 ? 1 : m ))"
 }
-until_deadline() {  # run a command, stopped at DEADLINE if one is set
-  if [ -n "$DEADLINE" ]; then timeout $(( DEADLINE - $(date +%s) )) "$@"; else "$@"; fi
+until_deadline() {  # run a command, stopped at DEADLINE if one is set (not started once it has passed)
+  [ -n "$DEADLINE" ] || { "$@"; return; }
+  local s=$(( DEADLINE - $(date +%s) ))
+  [ "$s" -gt 0 ] || { echo "DEADLINE has passed; not running: $1 ..." >&2; return 1; }
+  timeout "$s" "$@"
 }
 mt=(); [ -n "${MTBENCH:-}" ] && mt=(data.mtbench_path="$MTBENCH")
 
