@@ -185,6 +185,27 @@ def test_gsm8k_benchmark_leaves_out_what_was_trained_on():
     other = {"plan": [["sharegpt-x", "train"]], "splits": {"train": ["sharegpt-x"]}}
     assert len(load_benchmark("gsm8k", BenchmarksConfig(limit=None), other)) == 1319
     assert load_benchmark("gsm8k", BenchmarksConfig(limit=5), manifest)["id"] == expected[:5]
+    # what the report says a row was scored on: the trained ids left out, the rest before the limit
+    counts = {}
+    load_benchmark("gsm8k", BenchmarksConfig(limit=5), manifest, counts)
+    assert counts == {"left_out": len(splits["train"]) + len(splits["validation"]), "held_out": len(expected)}
+    assert counts["left_out"] + counts["held_out"] == 1319
+
+
+def test_load_benchmarks_reports_prompts_left_out_as_trained_on():
+    # half of HumanEval trained on (extract.py data=humaneval data.test_fraction=0.5), GSM8K not
+    from types import SimpleNamespace
+
+    from eagle3.evaluate.benchmarks import load_benchmarks
+
+    ds = load_conversations(DataConfig(name="humaneval", source="humaneval", test_fraction=0.5))
+    trained = [i for i, sp in zip(ds["id"], ds["split"]) if sp != "test"]
+    manifest = {"plan": [[i, "train"] for i in trained], "splits": {"train": trained}}
+    left_out = {}
+    out = load_benchmarks(SimpleNamespace(data=BenchmarksConfig(limit=7)), ["humaneval", "gsm8k"], manifest, left_out)
+    assert left_out == {"humaneval": {"left_out": len(trained), "held_out": 164 - len(trained)}}
+    assert 60 < len(trained) < 104 and len(out["humaneval"]) == 7 and not set(out["humaneval"]["id"]) & set(trained)
+    assert len(out["gsm8k"]) == 7
 
 
 def _bad_utf8(path, first: bytes, second_head: bytes):

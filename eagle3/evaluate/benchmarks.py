@@ -36,7 +36,8 @@ def benchmark_names(data_cfg) -> list[str]:
     return names
 
 
-def load_benchmarks(cfg, names: Sequence[str], train_manifest: Optional[dict]) -> dict:
+def load_benchmarks(cfg, names: Sequence[str], train_manifest: Optional[dict],
+                    left_out: Optional[dict] = None) -> dict:
     """``{name: datasets.Dataset(id, messages)}`` with at most ``data.limit`` rows each.
 
     Args:
@@ -45,6 +46,10 @@ def load_benchmarks(cfg, names: Sequence[str], train_manifest: Optional[dict]) -
         train_manifest: from :func:`eagle3.evaluate.provenance.load_train_manifest`
             (held-out ShareGPT prompts that were trained on are refused; GSM8K,
             HumanEval and MT-Bench prompts that were trained on are left out), or None.
+        left_out: if given, filled with ``{name: {"left_out": n, "held_out": m}}`` for each
+            benchmark that lost prompts to training (e.g. HumanEval after
+            ``extract.py data=humaneval data.test_fraction=0.5``: 84 left out, 80 held out),
+            the report's ``settings.trained_on_left_out``.
 
     Raises:
         Eagle3Error: a benchmark without prompts, or as
@@ -54,7 +59,10 @@ def load_benchmarks(cfg, names: Sequence[str], train_manifest: Optional[dict]) -
 
     out = {}
     for name in names:
-        ds = load_benchmark(name, cfg.data, train_manifest)
+        counts: dict = {}
+        ds = load_benchmark(name, cfg.data, train_manifest, counts)
+        if left_out is not None and counts.get("left_out"):
+            left_out[name] = counts
         if cfg.data.limit is not None and len(ds) > cfg.data.limit:
             ds = ds.select(range(cfg.data.limit))
         if len(ds) == 0:

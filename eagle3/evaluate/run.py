@@ -122,12 +122,14 @@ def _evaluate_served(cfg, meta: dict, names: list[str], manifest: Optional[dict]
     warnings = warnings + check_export(meta, info, chat_template_hash(load_tokenizer(cfg.model, cfg.cache_dir, info)))
     for x in warnings:
         log.warning(x)
-    benchmarks = load_benchmarks(cfg, names, manifest)
+    left_out: dict = {}
+    benchmarks = load_benchmarks(cfg, names, manifest, left_out)
     from eagle3.evaluate.served import run_sglang_evaluation
 
     results = run_sglang_evaluation(cfg, benchmarks, meta, output_dir)
     results["warnings"] = warnings + list(results.get("warnings") or [])
-    results.setdefault("settings", {}).update(drafter_dir=str(Path(cfg.drafter_dir)), target=cfg.model.name)
+    results.setdefault("settings", {}).update(drafter_dir=str(Path(cfg.drafter_dir)), target=cfg.model.name,
+                                              trained_on_left_out=left_out)
     return results
 
 
@@ -204,7 +206,8 @@ def _evaluate_in_process(cfg, settings: SpecSettings, meta: dict, names: list[st
     t = _load_in_process(cfg, meta, manifest, warnings)
     for x in warnings:
         log.warning(x)
-    benchmarks = load_benchmarks(cfg, names, manifest)
+    left_out: dict = {}
+    benchmarks = load_benchmarks(cfg, names, manifest, left_out)
     if cfg.worker is not None:  # one worker of run_evaluate_parallel: every workers-th prompt
         benchmarks = {n: ds.select(range(int(cfg.worker), len(ds), int(cfg.workers))) for n, ds in benchmarks.items()}
         benchmarks = {n: ds for n, ds in benchmarks.items() if len(ds)}
@@ -244,7 +247,8 @@ def _evaluate_in_process(cfg, settings: SpecSettings, meta: dict, names: list[st
                         "num_draft_tokens": settings.num_draft_tokens},
         "sampling": {"temperature": settings.temperature, "top_p": settings.top_p,
                      "max_new_tokens": settings.max_new_tokens},
-        "settings": {**_in_process_settings(cfg, t, sorted(done)), "decoding": decoding_path(decoder)},
+        "settings": {**_in_process_settings(cfg, t, sorted(done)), "decoding": decoding_path(decoder),
+                     "trained_on_left_out": left_out},
         "warnings": warnings,
     }
 

@@ -108,13 +108,15 @@ def run_vllm_stage(cfg: Any, settings, warnings: list[str]) -> dict:
     cfg.drafter_dir = str(vllm_export_dir(cfg.drafter_dir))
     export, manifest, info, tokenizer = read_checked_export(cfg, warnings)
     names = benchmark_names(cfg.data)
-    benchmarks = load_benchmarks(cfg, names, manifest)
+    left_out: dict = {}
+    benchmarks = load_benchmarks(cfg, names, manifest, left_out)
     output_dir = stage_output_dir(cfg)
     output_dir.mkdir(parents=True, exist_ok=True)
     for w in warnings:
         log.warning(w)
     results = evaluate_servers(cfg, settings, export, info, tokenizer, benchmarks, concurrency, output_dir)
     results["warnings"] = warnings + results["warnings"]
+    results["settings"]["trained_on_left_out"] = left_out
     write_report(output_dir, results)
     return results
 

@@ -122,7 +122,8 @@ def trained_ids(train_manifest: dict) -> set[str]:
     return ids
 
 
-def load_benchmark(name: str, bench_cfg, train_manifest: Optional[dict] = None) -> datasets.Dataset:
+def load_benchmark(name: str, bench_cfg, train_manifest: Optional[dict] = None,
+                   stats: Optional[dict] = None) -> datasets.Dataset:
     """Evaluation prompts of one benchmark: columns ``id``, ``messages`` (user turns
     only; MT-Bench has two), ``category`` (MT-Bench category, else "").
 
@@ -133,7 +134,9 @@ def load_benchmark(name: str, bench_cfg, train_manifest: Optional[dict] = None) 
     trained on: ids in ``train_manifest``'s plan or its train/validation splits (a
     drafter trained on ``data=gsm8k`` features is evaluated on GSM8K's held-out test
     split; without such features nothing is left out). ``bench_cfg.limit`` keeps the
-    first N in source order, after that.
+    first N in source order, after that. ``stats``, if given, is filled with
+    ``left_out`` (prompts left out as trained on) and ``held_out`` (prompts left before
+    the limit), so a report can say what a benchmark's row was scored on.
 
     Raises:
         Eagle3Error: unknown benchmark, missing ``mtbench_path``, or a ShareGPT test id
@@ -180,9 +183,12 @@ def load_benchmark(name: str, bench_cfg, train_manifest: Optional[dict] = None) 
                 )
     else:
         raise Eagle3Error(f"benchmark '{name}' is unknown; use gsm8k, humaneval, sharegpt or mtbench")
+    total = len(rows)
     if name != "sharegpt" and train_manifest is not None:
         trained = trained_ids(train_manifest)
         rows = [r for r in rows if r[0] not in trained]
+    if stats is not None:
+        stats.update(left_out=total - len(rows), held_out=len(rows))
     if limit is not None:
         rows = rows[: int(limit)]
     return datasets.Dataset.from_dict(
