@@ -22,6 +22,7 @@ masked attention computes every step's full key range) are printed next to it.
     python benchmarks/train_throughput.py --model kimi --chain-chunks 0,256   # dense vs chunked TTT attention
     python benchmarks/train_throughput.py --model kimi --compile both --rounds 2   # loop.compile_drafter off/on
     python benchmarks/train_throughput.py --fused-loss both --rounds 2              # loop.fused_loss off/on
+    python benchmarks/train_throughput.py --model kimi --attention both --rounds 2  # drafter.ttt_attention dense/flex (CUDA)
 
 ``--profile`` runs one more step under ``torch.profiler`` and prints the GPU kernel time
 by kind (attention kernels, matrix multiplies, the rest) and the slowest kernels.
@@ -146,6 +147,7 @@ def run(name: str, args) -> dict:
     drafter = Eagle3Drafter(arch).to(dev)
     compiled = bool(getattr(args, "compiled", False))
     fused = bool(getattr(args, "fused", False))
+    attention = "flex" if getattr(args, "flex", False) else "dense"
     if compiled:
         compile_drafter_elementwise(drafter)
     params = [p for p in drafter.parameters() if p.requires_grad]
@@ -161,7 +163,7 @@ def run(name: str, args) -> dict:
 
     def step():
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
-            out = ttt_forward(drafter, batch, args.ttt_steps, chain_chunk=chunk, fused_loss=fused)
+            out = ttt_forward(drafter, batch, args.ttt_steps, chain_chunk=chunk, fused_loss=fused, attention=attention)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()
@@ -195,6 +197,7 @@ def run(name: str, args) -> dict:
         "chain_chunk": chunk,
         "compiled": compiled,
         "fused_loss": fused,
+        "flex": attention == "flex",
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "dtype": "bf16 autocast" if amp else "fp32",
         "hidden": arch.hidden_size,
@@ -238,6 +241,8 @@ def main(argv=None) -> list[dict]:
                    help="the drafter's norms and MLPs compiled (loop.compile_drafter); both = each in turn")
     p.add_argument("--fused-loss", choices=["off", "on", "both"], default="off",
                    help="the top-k KL loss fused with lm_head (loop.fused_loss); both = each in turn")
+    p.add_argument("--attention", choices=["dense", "flex", "both"], default="dense",
+                   help="attention of TTT steps >= 1 (drafter.ttt_attention; flex needs CUDA); both = each in turn")
     p.add_argument("--rounds", type=int, default=1, help="times each variant is timed, alternating")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
@@ -245,13 +250,16 @@ def main(argv=None) -> list[dict]:
         p.error("--rounds must be >= 1")
     names = ["smollm2", "kimi"] if args.model == "all" else [args.model]
     flag = {"off": [False], "on": [True], "both": [False, True]}
-    modes = [(c, f) for c in flag[args.compile] for f in flag[args.fused_loss]]
+    modes = [(c, f, x) for c in flag[args.compile] for f in flag[args.fused_loss]
+             for x in {"dense": [False], "flex": [True], "both": [False, True]}[args.attention]]
     results = []
     for n in names:
         for c in [int(x) for x in str(args.chain_chunks).split(",") if x.strip()]:
             for _ in range(args.rounds):
-                for compiled, fused in modes:
-                    args.chain_chunk, args.compiled, args.fused = c, compiled, fused
+                for compiled, fused, flex in modes:
+                    if flex and c:
+                        p.error("--attention flex does not take --chain-chunks other than 0")
+                    args.chain_chunk, args.compiled, args.fused, args.flex = c, compiled, fused, flex
                     results.append(run(n, args))
     print(f"\n| drafter | device | dtype | tokens/step | step s | tokens/s | model TFLOP/step | TFLOP/s | MFU "
           f"(peak {args.peak_tflops:g}) | peak mem GB |")
@@ -259,7 +267,7 @@ def main(argv=None) -> list[dict]:
     for r in results:
         mem = f"{r['peak_memory_gb']:.1f}" if r["peak_memory_gb"] is not None else "-"
         chunked = ((f", chunks of {r['chain_chunk']}" if r["chain_chunk"] else "") + (", compiled" if r["compiled"] else "")
-                   + (", fused loss" if r["fused_loss"] else ""))
+                   + (", fused loss" if r["fused_loss"] else "") + (", flex attention" if r["flex"] else ""))
         print(f"| {r['drafter']} (H={r['hidden']}, Vd={r['draft_vocab']}, TTT {r['ttt_steps']}{chunked}) | {r['device']} | "
               f"{r['dtype']} | {r['tokens_per_step']} | {r['step_s']:.3f} | {r['tokens_per_s']:.0f} | "
               f"{r['model_tflops_per_step']:.2f} | {r['achieved_tflops']:.1f} | {100 * r['mfu']:.1f}% | {mem} |")
@@ -272,13 +280,15 @@ def main(argv=None) -> list[dict]:
             print(f"  GPU kernel time of one step: {k['total_ms']:.1f} ms: {kinds}")
             for n, ms, c in k["top"]:
                 print(f"    {ms:9.2f} ms {c:5d} x  {n}")
-    for key, what in (("compiled", "compiled / eager"), ("fused_loss", "fused loss / eager loss")):
-        if getattr(args, "compile" if key == "compiled" else "fused_loss") != "both":
+    flags = (("compiled", "compiled / eager", args.compile), ("fused_loss", "fused loss / eager loss", args.fused_loss),
+             ("flex", "flex attention / dense mask", args.attention))
+    for key, what, setting in flags:
+        if setting != "both":
             continue
-        other = "fused_loss" if key == "compiled" else "compiled"
-        for a in results:  # each eager variant against the one that differs only in this flag, same round
-            b = next((r for r in results[results.index(a) + 1 : results.index(a) + len(modes)]
-                      if r[key] and r[other] == a[other] and r["drafter"] == a["drafter"]), None)
+        others = [k for k, _, _ in flags if k != key]
+        for i, a in enumerate(results):  # each variant against the one of the same round differing only in this flag
+            b = next((r for r in results[i + 1 : i + len(modes)]
+                      if r[key] and r["drafter"] == a["drafter"] and all(r[o] == a[o] for o in others)), None)
             if not a[key] and b is not None:
                 mem = (f", peak memory {a['peak_memory_gb']:.1f} -> {b['peak_memory_gb']:.1f} GB"
                        if a["peak_memory_gb"] is not None else "")

@@ -219,6 +219,10 @@ class DrafterConfig:
     # TTT steps >= 1 attend per chunk of this many chain rows (eagle3.train.ttt_attention.ChainMask:
     # the same result, fewer keys computed); null = one dense mask per step
     ttt_chain_chunk: Optional[int] = None
+    # attention of TTT steps >= 1: dense (a bool mask per step, or ttt_chain_chunk) | flex (one
+    # block-sparse FlexAttention kernel per step, eagle3.train.ttt_attention.FlexChainMask: only the key
+    # blocks a chain row sees; CUDA only, compiled on first use)
+    ttt_attention: str = "dense"
     # training only: Gaussian noise on the aux hidden states, this std relative to each state's RMS
     # (eagle3.train.noise; a regulariser, EAGLE's feature noise); 0 = off
     feature_noise: float = 0.0

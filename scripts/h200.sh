@@ -27,6 +27,8 @@
 # no gain, docs/results.md).
 # bench_train_compile and bench_loader (not in the default STAGES): loop.compile_drafter and loop.fused_loss timed against eager,
 # and the batches/s the training data path delivers (is it what holds the first ~1,500 steps at 2-5 steps/s?).
+# bench_train_flex (not in the default STAGES): drafter.ttt_attention=flex (block-sparse TTT attention) checked
+# against the dense mask's gradients on the GPU, then timed against it on the Kimi-shaped drafter.
 # bench_regen (not in the default STAGES): benchmarks/regenerate_speed.py at batch 256. extract_gsm8k regenerates the train and validation splits that
 # extraction carves out of GSM8K's test set (1,259 of its 1,319 questions; there is no GSM8K train
 # set offline) into $RUN/features-gsm8k; train then reads both folders when that extraction
@@ -144,6 +146,11 @@ for stage in $STAGES; do
   bench_train_compile)  # loop.compile_drafter and loop.fused_loss against eager, alternating (not yet timed on a GPU)
     python benchmarks/train_throughput.py --device cuda --iters 5 --compile both --fused-loss both --rounds 2 2>&1 \
       | tee "$RUN/bench_train_compile.log"
+    ;;
+  bench_train_flex)  # drafter.ttt_attention=flex: its CUDA gradient test, then dense against flex, alternating
+    python -m pytest -q tests/test_ttt.py -k flex 2>&1 | tee "$RUN/bench_train_flex.log"
+    python benchmarks/train_throughput.py --device cuda --model kimi --iters 5 --attention both --compile on --rounds 2 \
+      --json "$RUN/bench_train_flex.json" 2>&1 | tee -a "$RUN/bench_train_flex.log"
     ;;
   bench_loader)  # the training data path, pinning and host-to-device copies included, in batches/s
     python benchmarks/train_loader.py --device cuda --samples 1024 --batches 48 --workers 0,4,8 2>&1 | tee "$RUN/bench_loader.log"

@@ -184,6 +184,26 @@ def test_chunked_ttt_attention_trains_the_same_drafter(tmp_path):
     assert same >= 0.999 * sum(ea[k].numel() for k in ea)
 
 
+def test_the_ttt_attention_form_may_change_on_resume(tmp_path):
+    """drafter.ttt_chain_chunk and drafter.ttt_attention compute one attention (the tests of
+    tests/test_ttt.py), so a run stopped with one form resumes with another (resuming on a GPU with
+    flex, say) and ends at the drafter of the uninterrupted run; a changed learning rate is refused."""
+    write_features(tmp_path / "f", n=30)
+    tgt, E = tiny_target(), embed()
+    over = {"loop.max_steps": 4}
+    train_drafter(make_cfg(tmp_path / "f", tmp_path / "a", **over), tgt, E)
+    early = train_drafter(make_cfg(tmp_path / "f", tmp_path / "b", **over, **{"loop.time_limit_min": 1e-9}), tgt, E)
+    assert early["step"] == 1
+    with pytest.raises(Eagle3Error, match="optim.lr"):
+        train_drafter(make_cfg(tmp_path / "f", tmp_path / "b", **over, **{"optim.lr": 1e-3}), tgt, E)
+    rest = train_drafter(make_cfg(tmp_path / "f", tmp_path / "b", **over, **{"drafter.ttt_chain_chunk": 3}), tgt, E)
+    assert (rest["step"], rest["launch_first_step"]) == (4, 1)
+    ea = load_file(str(tmp_path / "a" / "export" / "sglang" / "model.safetensors"))
+    eb = load_file(str(tmp_path / "b" / "export" / "sglang" / "model.safetensors"))
+    for k in ea:
+        torch.testing.assert_close(ea[k], eb[k], msg=k)
+
+
 @torch.no_grad()
 def rule_hit_rate(drafter, samples) -> float:
     """Share of positions whose first draft (TTT step 0, as a server drafts after a

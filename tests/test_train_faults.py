@@ -21,6 +21,7 @@ from toy import embed, make_cfg, tiny_target, write_features
         ("loop.train_fraction", 1.5),
         ("loop.mixed_precision", "fp8"), ("loop.tracker", "wandb"), ("drafter.ttt_steps", 0), ("drafter.feature_noise", -0.1),
         ("drafter.step_weight", 0.0), ("drafter.lm_head_init", "zeros"), ("drafter.ttt_chain_chunk", 0),
+        ("drafter.ttt_attention", "sparse"),
     ],
 )
 def test_a_bad_setting_is_named_before_anything_is_written(tmp_path, setting, value):
@@ -31,6 +32,20 @@ def test_a_bad_setting_is_named_before_anything_is_written(tmp_path, setting, va
     msg = str(e.value)
     assert msg.startswith(f"{setting}=") and "\n" not in msg, msg
     assert not out.exists()  # no run record, no draft vocabulary: the corrected command may use this folder
+
+
+def test_flex_ttt_attention_is_refused_off_cuda_before_anything_is_written(tmp_path):
+    """drafter.ttt_attention=flex: FlexAttention has no CPU backward pass, so a CPU run is refused
+    up front (not at its first step), and with ttt_chain_chunk (a form of the dense one) anywhere."""
+    write_features(tmp_path / "f", n=12)
+    out = tmp_path / "o"
+    with pytest.raises(Eagle3Error, match=r"^drafter.ttt_attention=flex trains on CUDA only .* on cpu\); use "):
+        train_drafter(make_cfg(tmp_path / "f", out, **{"drafter.ttt_attention": "flex"}), tiny_target(), embed())
+    assert not out.exists()
+    with pytest.raises(Eagle3Error, match=r"^drafter.ttt_attention=flex does not take drafter.ttt_chain_chunk"):
+        train_drafter(make_cfg(tmp_path / "f", out, **{"drafter.ttt_attention": "flex", "drafter.ttt_chain_chunk": 4}),
+                      tiny_target(), embed())
+    assert not out.exists()
 
 
 def test_the_corrected_command_runs_in_the_same_folder(tmp_path):

@@ -3,6 +3,7 @@ loss precision, simulated acceptance length."""
 
 import math
 
+import pytest
 import torch
 from transformers import DynamicCache
 
@@ -308,6 +309,85 @@ def test_chunked_chain_attention_equals_the_dense_mask():
         assert gc.keys() == gd.keys() and "layers.0.self_attn.k_proj.weight" in gc
         for n in gd:
             torch.testing.assert_close(gc[n], gd[n], atol=1e-6, rtol=1e-5, msg=n)
+
+
+def _gqa_drafter():
+    torch.manual_seed(5)
+    return Eagle3Drafter(DrafterArch(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                     intermediate_size=24, num_layers=1, target_hidden_size=H, vocab_size=V,
+                                     draft_vocab_size=VD))
+
+
+def test_flex_chain_attention_equals_the_dense_mask_forward():
+    """attention="flex" (FlexChainMask, a block mask over the same [prefix | eye ...] pattern):
+    the same logits, loss and acceptance as the dense mask, without gradients (all FlexAttention
+    runs on CPU), for chain rows that do not fill a block and for several sequences padded
+    differently; the CUDA test below checks gradients. Grouped-query heads (4 query, 2 KV)."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    m = _gqa_drafter()
+    samples = [random_sample(23, 1, 4), random_sample(17, 2, 9), random_sample(30, 3, 2)]
+    b = TTTCollator(T2D_INDEX, ttt_steps=4, max_length=64)(samples)
+    assert b["chain_rows"].shape[1] > 7
+    with torch.no_grad():
+        dense = ttt_forward(m, b, 4, return_logits=True)
+        flex = ttt_forward(m, b, 4, return_logits=True, attention="flex")
+    for j in range(4):
+        torch.testing.assert_close(flex.logits[j], dense.logits[j], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(flex.loss, dense.loss, atol=1e-6, rtol=1e-6)
+    assert flex.accepted == dense.accepted and flex.step_stats[:, 2].tolist() == dense.step_stats[:, 2].tolist()
+
+
+def test_flex_chain_mask_selects_the_prefix_and_each_rows_own_chain_keys():
+    """The block mask's element pattern, read back through its mask_mod, equals the dense mask of
+    ttt_forward at every step (hand check on two sequences, one padded)."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    from eagle3.train.ttt_attention import FlexChainMask
+
+    rows = torch.tensor([[2, 3, 7, 8, 9], [1, 5, 6, 0, 0]])
+    T, Tp = 12, 5
+    for step in (1, 3):
+        fm = FlexChainMask(rows, T).at(step)
+        bm = fm.block_mask()
+        S = T + step * Tp
+        b, q, kv = torch.meshgrid(torch.arange(2), torch.arange(Tp), torch.arange(S), indexing="ij")
+        got = bm.mask_mod(b, torch.zeros_like(b), q, kv)
+        prefix = torch.arange(T)[None, None, :] <= rows[:, :, None]
+        want = torch.cat([prefix] + [torch.eye(Tp, dtype=torch.bool).expand(2, Tp, Tp)] * step, dim=-1)
+        assert torch.equal(got, want)
+        assert bm.shape[-2:] == (Tp, S)
+
+
+def test_flex_chain_attention_refuses_cpu_gradients_with_the_setting_to_change():
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    from eagle3.errors import Eagle3Error
+
+    m = _gqa_drafter()
+    b = TTTCollator(T2D_INDEX, ttt_steps=2, max_length=64)([random_sample(23, 1, 4)])
+    with pytest.raises(Eagle3Error, match="drafter.ttt_attention=flex trains on CUDA only"):
+        ttt_forward(m, b, 2, attention="flex")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward pass needs CUDA")
+def test_flex_chain_attention_gradients_equal_the_dense_mask_on_cuda():
+    """On CUDA, float32: the compiled FlexAttention kernel gives the dense mask's loss and the
+    gradients of every parameter (what training uses)."""
+    m = _gqa_drafter().cuda()
+    samples = [random_sample(23, 1, 4), random_sample(17, 2, 9), random_sample(30, 3, 2)]
+    b = {k: (v.cuda() if torch.is_tensor(v) else [x.cuda() if torch.is_tensor(x) else x for x in v]
+             if isinstance(v, list) else v) for k, v in TTTCollator(T2D_INDEX, ttt_steps=4, max_length=64)(samples).items()}
+
+    def run(attention):
+        m.zero_grad()
+        o = ttt_forward(m, b, 4, attention=attention)
+        o.loss.backward()
+        return o, {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    dense, gd = run("dense")
+    flex, gf = run("flex")
+    torch.testing.assert_close(flex.loss, dense.loss, atol=1e-5, rtol=1e-5)
+    assert gf.keys() == gd.keys() and "layers.0.self_attn.k_proj.weight" in gf
+    for n in gd:
+        torch.testing.assert_close(gf[n], gd[n], atol=1e-5, rtol=1e-4, msg=n)
 
 
 def test_chain_mask_chunk_ends_are_the_largest_prefix_in_each_chunk():

@@ -32,7 +32,7 @@ from eagle3.train.data import (BatchPlan, length_bucketed_batches, make_loader, 
 from eagle3.train.drafter import DrafterArch, Eagle3Drafter
 from eagle3.train.fused import compile_drafter_elementwise
 from eagle3.train.record import check_resume_record, run_record, tracker_config
-from eagle3.train.settings import check_settings, default_max_tokens, drafter_arch, resolve_mixed_precision
+from eagle3.train.settings import check_device_settings, check_settings, default_max_tokens, drafter_arch, resolve_mixed_precision
 from eagle3.train.ttt import TTTCollator, TTTModel, target_to_draft_index
 from eagle3.train.vocab import auto_draft_vocab_size, build_draft_vocab, count_label_tokens
 
@@ -100,11 +100,10 @@ def build_run(cfg: Any, target: Any, embed: torch.Tensor, lm_head: Optional[torc
         cfg: a :class:`eagle3.config.TrainConfig`.
         target: a ``TargetInfo`` (name, hidden_size, vocab_size, aux_layer_ids,
             content_hash, architecture, quantization, heads, FFN, rope, eps).
-        embed: the target's ``[V, H]`` embedding table; lm_head ``[V, H]`` (used when
-            ``drafter.lm_head_init == "target"``).
+        embed: the target's ``[V, H]`` embedding table; lm_head ``[V, H]`` (``drafter.lm_head_init=target``).
 
     Raises:
-        Eagle3Error: impossible settings, missing/empty/incompatible features, a
+        Eagle3Error: impossible settings (for the device too), missing/empty/incompatible features, a
             features/target mismatch, a changed configuration on resume, no loss-masked
             tokens, fewer micro-batches than one optimizer step takes.
     """
@@ -115,6 +114,7 @@ def build_run(cfg: Any, target: Any, embed: torch.Tensor, lm_head: Optional[torc
     check_settings(cfg)
     train_ds, val_ds, aux_ids = open_datasets(dirs, target)
     device = resolve_device(cfg.device, setting="device")
+    check_device_settings(cfg, device)
     mp = resolve_mixed_precision(cfg.loop.mixed_precision, device)
     max_tokens = default_max_tokens(cfg.loop.max_tokens_per_batch, device)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -234,7 +234,8 @@ def _ttt_model(arch: DrafterArch, d2t: torch.Tensor, t2d: torch.Tensor, embed: t
         raise Eagle3Error(f"drafter.lm_head_init={dcfg.lm_head_init!r}; use random or target")
     drafter.init_from_target(embed, lm_head if dcfg.lm_head_init == "target" else None)
     return TTTModel(drafter, dcfg.ttt_steps, dcfg.step_weight, getattr(dcfg, "ttt_chain_chunk", None),
-                    feature_noise=float(getattr(dcfg, "feature_noise", 0.0)))
+                    feature_noise=float(getattr(dcfg, "feature_noise", 0.0)),
+                    attention=str(getattr(dcfg, "ttt_attention", "dense")))
 
 
 def _total_steps(plan: BatchPlan, lcfg, split_samples: int) -> int:

@@ -55,6 +55,9 @@ def _bad_setting(cfg: Any) -> Optional[str]:
         ("drafter.step_weight", d.step_weight, d.step_weight > 0, "must be > 0"),
         ("drafter.ttt_chain_chunk", d.ttt_chain_chunk, d.ttt_chain_chunk is None or d.ttt_chain_chunk >= 1,
          "must be >= 1 (chain rows per attention chunk) or null"),
+        ("drafter.ttt_attention", d.ttt_attention, d.ttt_attention in ("dense", "flex"), "must be dense or flex"),
+        ("drafter.ttt_attention", d.ttt_attention, d.ttt_attention == "dense" or d.ttt_chain_chunk is None,
+         "does not take drafter.ttt_chain_chunk (chunks are a form of the dense attention); set one of them"),
         ("drafter.lm_head_init", d.lm_head_init, d.lm_head_init in ("random", "target"), "must be random or target"),
         ("drafter.num_layers", d.num_layers, d.num_layers >= 1, "must be >= 1"),
     ]
@@ -83,6 +86,18 @@ def check_settings(cfg: Any) -> None:
             f"drafter.num_layers={dcfg.num_layers}: SGLang serves one-layer EAGLE-3 drafters; "
             "set drafter.num_layers=1 or export.sglang=false"
         )
+
+
+def check_device_settings(cfg: Any, device: torch.device) -> None:
+    """Settings that the resolved device cannot run, refused before anything is written.
+
+    Raises:
+        Eagle3Error: ``drafter.ttt_attention=flex`` off CUDA (PyTorch's FlexAttention has no
+            backward pass on CPU).
+    """
+    if getattr(cfg.drafter, "ttt_attention", "dense") == "flex" and device.type != "cuda":
+        raise Eagle3Error(f"drafter.ttt_attention=flex trains on CUDA only (PyTorch's FlexAttention has no backward "
+                          f"pass on {device.type}); use drafter.ttt_attention=dense on this device")
 
 
 def resolve_mixed_precision(setting: str, device: torch.device) -> str:

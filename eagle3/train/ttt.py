@@ -49,7 +49,7 @@ from transformers import DynamicCache
 from eagle3.train.drafter import Eagle3Drafter
 from eagle3.train.loss import fused_topk_kl, kl_loss, target_distribution  # noqa: F401  (re-exported)
 from eagle3.train.noise import add_feature_noise
-from eagle3.train.ttt_attention import ChainMask, ttt_attention_mask  # noqa: F401  (ttt_attention_mask: re-exported)
+from eagle3.train.ttt_attention import chain_attention, ttt_attention_mask  # noqa: F401  (ttt_attention_mask: re-exported)
 
 
 # ------------------------------------------------------------------ pure helpers
@@ -259,6 +259,7 @@ def ttt_forward(
     return_logits: bool = False,
     chain_chunk: int | None = None,
     fused_loss: bool = False,
+    attention: str = "dense",
 ) -> TTTOutput:
     """Unroll ``ttt_steps`` draft steps over a collated batch (see module docstring).
 
@@ -268,6 +269,9 @@ def ttt_forward(
         batch: from :class:`TTTCollator`, on the drafter's device.
         chain_chunk: steps ``>= 1`` attend per chunk of this many chain rows
             (:class:`ChainMask`); None = one dense mask per step.
+        attention: ``"dense"`` (a bool mask per step, or ``chain_chunk``) or ``"flex"``
+            (:class:`FlexChainMask`: one block-sparse FlexAttention kernel per step; training
+            on CUDA only).
         fused_loss: the loss and argmax through ``lm_head`` chunk by chunk without keeping
             the logits (:func:`eagle3.train.loss.fused_topk_kl`); ignored with ``return_logits``.
 
@@ -298,18 +302,11 @@ def ttt_forward(
                 if Tp == 0:
                     break
                 hidden = hidden.gather(1, chain_rows[..., None].expand(B, Tp, hidden.shape[-1]))  # [B, T', H]
-                if chain_chunk:
-                    chain_mask = ChainMask.create(chain_rows, T, int(chain_chunk))
-                else:
-                    prefix = torch.arange(T, device=dev)[None, None, :] <= chain_rows[:, :, None]  # [B, T', T]
-                    eye = torch.eye(Tp, dtype=torch.bool, device=dev).expand(B, Tp, Tp)
+                chain_mask = chain_attention(chain_rows, T, attention, chain_chunk)
             src = chain_rows + 1 + j
             tokens = ids.gather(1, src.clamp(max=T - 1)).masked_fill(src >= T, 0)  # x[r+1+j]
             pos = chain_rows + j
-            if chain_chunk:
-                mask = chain_mask.at(j)
-            else:
-                mask = torch.cat([prefix] + [eye] * j, dim=-1)[:, None]  # [B, 1, T', T + j*T']
+            mask = chain_mask.at(j)
         out = drafter(tokens, hidden, pos, attention_mask=mask, past_key_values=cache, return_logits=False)
         hidden = out.hidden_states  # [B, T or T', H]
         rows = batch["rows"][j]
@@ -338,8 +335,9 @@ class TTTModel(nn.Module):
     (what Accelerate prepares: autocast and, with several processes, DDP apply)."""
 
     def __init__(self, drafter: Eagle3Drafter, ttt_steps: int, step_weight: float, chain_chunk: int | None = None,
-                 feature_noise: float = 0.0):
+                 feature_noise: float = 0.0, attention: str = "dense"):
         super().__init__()
+        self.attention = attention  # drafter.ttt_attention
         self.drafter = drafter
         self.ttt_steps = ttt_steps
         self.step_weight = step_weight
@@ -355,7 +353,7 @@ class TTTModel(nn.Module):
             batch = {**batch, "aux_hidden_states": add_feature_noise(batch["aux_hidden_states"], self.feature_noise,
                                                                      self.noise_seed)}
         return ttt_forward(self.drafter, batch, self.ttt_steps, self.step_weight, chain_chunk=self.chain_chunk,
-                           fused_loss=self.fused_loss)
+                           fused_loss=self.fused_loss, attention=self.attention)
 
 
 def summarize(step_stats: torch.Tensor, accepted: float, num_chains: int, step_weight: float) -> dict:

@@ -4,7 +4,8 @@ Step ``j`` of the unroll attends over the keys of steps ``0..j`` concatenated: t
 step-0 keys of the whole prefix (causal) and, for steps ``j >= 1``, each row's own
 chain keys. :func:`ttt_attention_mask` is that pattern as one dense bool mask (the
 formulation of SpecForge / speculators); :class:`ChainMask` computes the same attention
-chunk by chunk of chain rows, so that the keys a dense mask hides are never computed.
+chunk by chunk of chain rows, so that the keys a dense mask hides are never computed, and
+:class:`FlexChainMask` as one block-sparse FlexAttention kernel (CUDA training only).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from eagle3.errors import Eagle3Error
 from eagle3.train.drafter import repeat_kv
 
 
@@ -87,3 +89,112 @@ class ChainMask:
             outs.append(F.scaled_dot_product_attention(q[:, :, a : a + w], repeat_kv(kk, rep), repeat_kv(vv, rep),
                                                        attn_mask=mask))
         return torch.cat(outs, dim=2)
+
+
+_FLEX = None  # flex_attention, compiled on first use (FlexChainMask)
+
+
+def _flex_attention():
+    """``torch.nn.attention.flex_attention.flex_attention`` under ``torch.compile(dynamic=True)``
+    (compiled on first use; sizes symbolic, so the length-bucketed batches share it; uncompiled
+    it runs a reference path that materialises every score)."""
+    global _FLEX
+    if _FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX = torch.compile(flex_attention, dynamic=True)
+    return _FLEX
+
+
+@dataclass
+class FlexChainMask:
+    """The attention of TTT step ``step >= 1`` as one block-sparse kernel: PyTorch's
+    ``flex_attention`` with a ``BlockMask`` of the same pattern as :class:`ChainMask` and the
+    dense ``[prefix | eye | ... | eye]`` mask.
+
+    Query row ``i`` (chain row ``chain_rows[b, i]``) sees step-0 keys ``0 .. chain_rows[b, i]``
+    and key ``T + (s - 1) * T' + i`` of each step ``s <= step``. The block mask lists, per block
+    of 128 queries, only the key blocks holding such keys, so the kernel skips the rest: for a
+    TTT-7 unroll over a 2,048-token sequence whose last 60% are chain rows, 0.40x the query-key
+    pairs the dense mask's kernel is handed (counted from the block mask; ``docs/performance.md``,
+    "Training: where a step's time goes"). Grouped-query attention is the kernel's (``enable_gqa``): no
+    ``repeat_kv`` copies. One compiled kernel per process, one block mask per step.
+
+    CUDA only for training: FlexAttention has no CPU backward pass (PyTorch 2.13); on CPU,
+    without gradients, it runs uncompiled (the reference path), which is what the CPU tests
+    compare with the dense mask.
+
+    Attributes:
+        chain_rows: ``[B, T']`` int64, the batch's chain rows (:class:`TTTCollator`).
+        T: step-0 keys; step: the TTT step.
+    """
+
+    chain_rows: torch.Tensor
+    T: int
+    step: int = 1
+
+    def at(self, step: int) -> "FlexChainMask":
+        """The same mask for TTT step ``step``."""
+        return FlexChainMask(self.chain_rows, self.T, int(step))
+
+    def block_mask(self):
+        """The step's ``BlockMask`` over ``[B, T']`` queries and ``T + step * T'`` keys."""
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        rows = self.chain_rows
+        B, Tp = rows.shape
+        t0 = torch.tensor(self.T, device=rows.device)  # tensors, not ints: the compiled kernel is not specialised
+        tp = torch.tensor(Tp, device=rows.device)      # on the lengths (one compilation for every batch shape)
+
+        def mask_mod(b, h, q, kv):
+            return torch.where(kv < t0, kv <= rows[b, q], (kv - t0) % tp == q)
+
+        return create_block_mask(mask_mod, B, None, Tp, self.T + self.step * Tp, device=rows.device)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rep: int) -> torch.Tensor:
+        """``q [B, h, T', d]``, ``k, v [B, kv, T + step * T', d]`` (``h = kv * rep``) -> ``[B, h, T', d]``.
+
+        Raises:
+            Eagle3Error: on CPU with gradients (no FlexAttention backward there).
+        """
+        if q.device.type == "cpu" and torch.is_grad_enabled() and q.requires_grad:
+            raise Eagle3Error("drafter.ttt_attention=flex trains on CUDA only (PyTorch's FlexAttention has no "
+                              "backward pass on CPU); use drafter.ttt_attention=dense on this device")
+        if k.shape[2] != self.T + self.step * q.shape[2]:
+            raise Eagle3Error(f"FlexChainMask step {self.step}: {k.shape[2]} keys for T={self.T} and "
+                              f"T'={q.shape[2]} (expected T + step * T')")
+        if q.device.type == "cpu":
+            from torch.nn.attention.flex_attention import flex_attention as flex
+        else:
+            flex = _flex_attention()
+        return flex(q, k, v, block_mask=self.block_mask(), enable_gqa=rep > 1)
+
+
+@dataclass
+class DenseChainMask:
+    """The dense ``[prefix | eye | ... | eye]`` bool mask of TTT step ``j >= 1`` over chain rows."""
+
+    prefix: torch.Tensor  # [B, T', T] bool: step-0 keys 0..chain_rows[b, i]
+    eye: torch.Tensor  # [B, T', T'] bool
+
+    def at(self, j: int) -> torch.Tensor:
+        """``[B, 1, T', T + j*T']`` bool, True = attend."""
+        return torch.cat([self.prefix] + [self.eye] * j, dim=-1)[:, None]
+
+
+def chain_attention(chain_rows: torch.Tensor, T: int, attention: str, chain_chunk: int | None):
+    """The attention of the chain steps (``j >= 1``) over ``chain_rows [B, T']``: an object whose
+    ``at(j)`` is step ``j``'s mask (dense bool, :class:`ChainMask` or :class:`FlexChainMask`).
+
+    Raises:
+        ValueError: an ``attention`` other than ``"dense"`` or ``"flex"``.
+    """
+    if attention == "flex":
+        return FlexChainMask(chain_rows, T)
+    if attention != "dense":
+        raise ValueError(f"attention={attention!r}: use 'dense' or 'flex'")
+    if chain_chunk:
+        return ChainMask.create(chain_rows, T, int(chain_chunk))
+    B, Tp = chain_rows.shape
+    prefix = torch.arange(T, device=chain_rows.device)[None, None, :] <= chain_rows[:, :, None]
+    return DenseChainMask(prefix, torch.eye(Tp, dtype=torch.bool, device=chain_rows.device).expand(B, Tp, Tp))
