@@ -25,6 +25,8 @@
 # python -m eagle3.train.curve <run>/metrics.json ... tabulates and plots it).
 # A regulariser for the training/validation gap: SWEEP="drafter.feature_noise=0,0.05,0.1" (0.1 measured:
 # no gain, docs/results.md).
+# TTT step weights (every full-size run so far: drafter=ttt3, weights 1.0; 0.5 and TTT 5 measured small on
+# CPU: no decoded difference, docs/results.md 2026-12-05): SWEEP="drafter.step_weight=0.8,1.0".
 # bench_train_compile and bench_loader (not in the default STAGES): loop.compile_drafter and loop.fused_loss timed against eager,
 # and the batches/s the training data path delivers (is it what holds the first ~1,500 steps at 2-5 steps/s?).
 # bench_train_flex (not in the default STAGES): drafter.ttt_attention=flex (block-sparse TTT attention) checked
