@@ -226,6 +226,9 @@ class DrafterConfig:
     # training only: Gaussian noise on the aux hidden states, this std relative to each state's RMS
     # (eagle3.train.noise; a regulariser, EAGLE's feature noise); 0 = off
     feature_noise: float = 0.0
+    # the loss's target distribution at this temperature, q ∝ p^(1/t) over the stored top-k (training and
+    # validation loss; top-1 metrics unchanged): 1 = the target's own; < 1 sharpens toward its argmax
+    target_temperature: float = 1.0
 
 
 @dataclass

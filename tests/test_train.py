@@ -204,6 +204,18 @@ def test_the_ttt_attention_form_may_change_on_resume(tmp_path):
         torch.testing.assert_close(ea[k], eb[k], msg=k)
 
 
+def test_target_temperature_reaches_the_loss_not_the_rows(tmp_path):
+    """drafter.target_temperature changes the loss the run trains and validates on (sharper q: another
+    KL), not which rows carry loss."""
+    write_features(tmp_path / "f", n=30)
+    tgt, E = tiny_target(), embed()
+    a = train_drafter(make_cfg(tmp_path / "f", tmp_path / "a", **{"loop.max_steps": 2}), tgt, E)
+    b = train_drafter(make_cfg(tmp_path / "f", tmp_path / "b", **{"loop.max_steps": 2, "drafter.target_temperature": 0.25}),
+                      tgt, E)
+    assert a["validation"]["step_rows"] == b["validation"]["step_rows"]
+    assert abs(a["validation"]["loss"] - b["validation"]["loss"]) > 1e-3
+
+
 @torch.no_grad()
 def rule_hit_rate(drafter, samples) -> float:
     """Share of positions whose first draft (TTT step 0, as a server drafts after a

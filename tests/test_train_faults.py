@@ -21,7 +21,7 @@ from toy import embed, make_cfg, tiny_target, write_features
         ("loop.train_fraction", 1.5),
         ("loop.mixed_precision", "fp8"), ("loop.tracker", "wandb"), ("drafter.ttt_steps", 0), ("drafter.feature_noise", -0.1),
         ("drafter.step_weight", 0.0), ("drafter.lm_head_init", "zeros"), ("drafter.ttt_chain_chunk", 0),
-        ("drafter.ttt_attention", "sparse"),
+        ("drafter.ttt_attention", "sparse"), ("drafter.target_temperature", 0.0),
     ],
 )
 def test_a_bad_setting_is_named_before_anything_is_written(tmp_path, setting, value):
@@ -69,15 +69,16 @@ def test_a_train_fraction_too_small_for_one_step_is_named_and_the_raised_one_run
 
 
 def test_a_record_written_before_a_setting_existed_resumes_with_its_old_value(tmp_path):
-    """drafter.feature_noise and loop.train_fraction came later: a record without them reads as
-    0 and 1 (what runs did before), so an unchanged command resumes; another value is refused."""
+    """drafter.feature_noise, loop.train_fraction and drafter.target_temperature came later: a record
+    without them reads as 0, 1 and 1 (what runs did before), so an unchanged command resumes; another
+    value is refused."""
     import json
 
     write_features(tmp_path / "f", n=12)
     out = tmp_path / "o"
     train_drafter(make_cfg(tmp_path / "f", out, **{"loop.max_steps": 2}), tiny_target(), embed(), stop_after=1)
     rec = json.loads((out / "train_config.json").read_text())
-    del rec["drafter"]["feature_noise"], rec["loop"]["train_fraction"]
+    del rec["drafter"]["feature_noise"], rec["loop"]["train_fraction"], rec["drafter"]["target_temperature"]
     (out / "train_config.json").write_text(json.dumps(rec))
     with pytest.raises(Eagle3Error, match=r"loop.train_fraction=1.0, now 0.5"):
         train_drafter(make_cfg(tmp_path / "f", out, **{"loop.max_steps": 2, "loop.train_fraction": 0.5}),

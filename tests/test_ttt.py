@@ -172,6 +172,31 @@ def test_target_distribution_restricted_and_renormalised():
     assert kl_loss(torch.zeros(1, 3), d, q).item() > 0.1
 
 
+def test_target_distribution_at_a_temperature_by_hand():
+    """drafter.target_temperature: q_k ∝ p_k^(1/t) over the entries inside the draft vocabulary
+    (t = 0.5 squares them: 0.5, 0.3 -> 0.25, 0.09, renormalised; t = 2 takes square roots), the
+    order and the out-of-vocabulary zeros kept; t = 1 is the plain renormalisation."""
+    t2d_index = torch.full((10,), -1, dtype=torch.int64)
+    t2d_index[[5, 8]] = torch.tensor([0, 1])
+    ids = torch.tensor([[5, 8, 9]])
+    lp = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
+    _, q = target_distribution(ids, lp, t2d_index, temperature=0.5)
+    torch.testing.assert_close(q, torch.tensor([[0.25 / 0.34, 0.09 / 0.34, 0.0]]))
+    _, q = target_distribution(ids, lp, t2d_index, temperature=2.0)
+    a, b = math.sqrt(0.5), math.sqrt(0.3)
+    torch.testing.assert_close(q, torch.tensor([[a / (a + b), b / (a + b), 0.0]]))
+    _, q1 = target_distribution(ids, lp, t2d_index, temperature=1.0)
+    torch.testing.assert_close(q1, torch.tensor([[0.5 / 0.8, 0.3 / 0.8, 0.0]]))
+    # through the collator: the same argmax ids, sharper q
+    samples = [random_sample(23, 1, 4)]
+    t2d = target_to_draft_index(D2T, V)
+    b1 = TTTCollator(t2d, ttt_steps=2, max_length=64)(samples)
+    bs = TTTCollator(t2d, ttt_steps=2, max_length=64, target_temperature=0.25)(samples)
+    assert torch.equal(b1["target_ids"][0], bs["target_ids"][0])
+    top1, tops = b1["target_q"][0].max(-1).values, bs["target_q"][0].max(-1).values
+    assert bool((tops >= top1 - 1e-6).all()) and bool((tops > top1 + 1e-3).any())
+
+
 def test_float32_loss_gradient_matches_float64_under_bf16_autocast():
     """Drafter ~ target: the gradient (p - q) is small, so precision matters."""
     torch.manual_seed(0)

@@ -26,14 +26,17 @@ LOGITS_CHUNK_BYTES = 1 << 28
 
 
 def target_distribution(
-    topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, t2d_index: torch.Tensor
+    topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, t2d_index: torch.Tensor, temperature: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Target top-k restricted to the draft vocabulary and renormalised.
+    """Target top-k restricted to the draft vocabulary and renormalised, at a temperature.
 
     Args:
         topk_ids: ``[N, k]`` int target ids; topk_logprobs ``[N, k]`` float log-probs
             (full-vocabulary log-softmax; ``-inf`` allowed).
         t2d_index: ``[V]`` from :func:`eagle3.train.ttt.target_to_draft_index`.
+        temperature: ``q_k ∝ p_k ** (1 / temperature)`` over the kept entries
+            (``drafter.target_temperature``): 1 = the target's own distribution; below 1
+            sharpens it toward its argmax (what greedy verification accepts), keeping the order.
 
     Returns:
         ``(draft_ids [N, k] int64, q [N, k] float32)``: entries outside the draft
@@ -44,7 +47,7 @@ def target_distribution(
     lp = topk_logprobs.float().masked_fill(~inside, float("-inf"))
     m = lp.max(dim=-1, keepdim=True).values
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    w = torch.exp(lp - m)
+    w = torch.exp((lp - m) / temperature) if temperature != 1.0 else torch.exp(lp - m)
     q = w / w.sum(-1, keepdim=True).clamp_min(1e-30)
     return d.clamp_min(0), q
 

@@ -29,7 +29,7 @@ RESUMABLE_KEYS = ("loop.grad_accum", "loop.log_every", "loop.save_every", "loop.
 
 # Settings added after records were first written, with the value that reproduces what runs did
 # before them: a record without one is read as holding that value (so an unchanged command resumes).
-ADDED_SETTINGS = {"drafter.feature_noise": 0.0, "loop.train_fraction": 1.0}
+ADDED_SETTINGS = {"drafter.feature_noise": 0.0, "loop.train_fraction": 1.0, "drafter.target_temperature": 1.0}
 
 
 def flatten(d: Any, prefix: str = "") -> dict:

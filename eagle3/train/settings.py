@@ -53,6 +53,8 @@ def _bad_setting(cfg: Any) -> Optional[str]:
         ("drafter.ttt_steps", d.ttt_steps, d.ttt_steps >= 1, "must be >= 1"),
         ("drafter.feature_noise", d.feature_noise, 0 <= d.feature_noise < 10, "must be in [0, 10) (relative to each state's RMS)"),
         ("drafter.step_weight", d.step_weight, d.step_weight > 0, "must be > 0"),
+        ("drafter.target_temperature", d.target_temperature, 0.01 <= d.target_temperature <= 100,
+         "must be in [0.01, 100] (1 = the target's distribution)"),
         ("drafter.ttt_chain_chunk", d.ttt_chain_chunk, d.ttt_chain_chunk is None or d.ttt_chain_chunk >= 1,
          "must be >= 1 (chain rows per attention chunk) or null"),
         ("drafter.ttt_attention", d.ttt_attention, d.ttt_attention in ("dense", "flex"), "must be dense or flex"),

@@ -102,6 +102,7 @@ class TTTCollator:
         ttt_steps: number of TTT steps ``J``.
         max_length: samples are cut to this many tokens.
         pad_multiple: the padded length is a multiple of this.
+        target_temperature: of ``target_q`` (:func:`eagle3.train.loss.target_distribution`).
 
     Steps ``j >= 1`` only run on *chain rows*: the rows that carry loss at some step
     ``>= 1`` (rows inside prompts never do), gathered per sample into a compact
@@ -116,8 +117,10 @@ class TTTCollator:
     ``num_tokens``, ``num_chains``, ``skipped_nonfinite``, ``sample_ids``.
     """
 
-    def __init__(self, t2d_index: torch.Tensor, ttt_steps: int, max_length: int, pad_multiple: int = 1):
+    def __init__(self, t2d_index: torch.Tensor, ttt_steps: int, max_length: int, pad_multiple: int = 1,
+                 target_temperature: float = 1.0):
         self.t2d_index = t2d_index.cpu()
+        self.target_temperature = float(target_temperature)
         self.ttt_steps = int(ttt_steps)
         self.max_length = int(max_length)
         self.pad_multiple = max(1, int(pad_multiple))
@@ -181,7 +184,7 @@ class TTTCollator:
             rj = full[j]
             b, r = rj // T, rj % T
             p = rj + 1 + j  # the target's distribution at position r+1+j of the same sample
-            d, q = target_distribution(flat_ids[p], flat_lp[p], self.t2d_index)
+            d, q = target_distribution(flat_ids[p], flat_lp[p], self.t2d_index, self.target_temperature)
             out_rows.append(rj if j == 0 else b * Tp + slot[b, r])
             out_ids.append(d)
             out_q.append(q)
