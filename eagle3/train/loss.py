@@ -47,7 +47,7 @@ def target_distribution(
     lp = topk_logprobs.float().masked_fill(~inside, float("-inf"))
     m = lp.max(dim=-1, keepdim=True).values
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    w = torch.exp((lp - m) / temperature) if temperature != 1.0 else torch.exp(lp - m)
+    w = torch.exp((lp - m) / temperature)  # / 1.0 is exact: the default changes no bit
     q = w / w.sum(-1, keepdim=True).clamp_min(1e-30)
     return d.clamp_min(0), q
 

@@ -271,9 +271,9 @@ def ttt_forward(
             collated with).
         batch: from :class:`TTTCollator`, on the drafter's device.
         chain_chunk: steps ``>= 1`` attend per chunk of this many chain rows
-            (:class:`ChainMask`); None = one dense mask per step.
+            (:class:`eagle3.train.ttt_attention.ChainMask`); None = one dense mask per step.
         attention: ``"dense"`` (a bool mask per step, or ``chain_chunk``) or ``"flex"``
-            (:class:`FlexChainMask`: one block-sparse FlexAttention kernel per step; training
+            (:class:`eagle3.train.ttt_attention.FlexChainMask`: one block-sparse FlexAttention kernel per step; training
             on CUDA only).
         fused_loss: the loss and argmax through ``lm_head`` chunk by chunk without keeping
             the logits (:func:`eagle3.train.loss.fused_topk_kl`); ignored with ``return_logits``.
