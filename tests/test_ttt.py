@@ -336,9 +336,9 @@ def test_chunked_chain_attention_equals_the_dense_mask():
             torch.testing.assert_close(gc[n], gd[n], atol=1e-6, rtol=1e-5, msg=n)
 
 
-def _gqa_drafter():
+def _gqa_drafter(head_dim: int = 8):
     torch.manual_seed(5)
-    return Eagle3Drafter(DrafterArch(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    return Eagle3Drafter(DrafterArch(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
                                      intermediate_size=24, num_layers=1, target_hidden_size=H, vocab_size=V,
                                      draft_vocab_size=VD))
 
@@ -392,11 +392,25 @@ def test_flex_chain_attention_refuses_cpu_gradients_with_the_setting_to_change()
         ttt_forward(m, b, 2, attention="flex")
 
 
+def test_flex_chain_attention_refuses_a_head_dim_the_cuda_kernel_cannot_take():
+    """FlexAttention's CUDA kernel takes no head dim below 16 (inductor's NotImplementedError on one
+    H200, 2026-12-05): refused with the setting to change before any kernel is built. Tensors on
+    the meta device stand in for CUDA ones (the check reads only device type and shape)."""
+    from eagle3.errors import Eagle3Error
+    from eagle3.train.ttt_attention import FlexChainMask
+
+    fm = FlexChainMask(torch.tensor([[3, 4, 5]]), 8).at(1)
+    q = torch.empty(1, 4, 3, 8, device="meta")
+    kv = torch.empty(1, 2, 8 + 3, 8, device="meta")
+    with pytest.raises(Eagle3Error, match="head dim is 8, and FlexAttention's CUDA kernel needs at least 16"):
+        fm.attend(q, kv, kv, rep=2)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward pass needs CUDA")
 def test_flex_chain_attention_gradients_equal_the_dense_mask_on_cuda():
     """On CUDA, float32: the compiled FlexAttention kernel gives the dense mask's loss and the
-    gradients of every parameter (what training uses)."""
-    m = _gqa_drafter().cuda()
+    gradients of every parameter (what training uses). Head dim 16: the CUDA kernel takes no less."""
+    m = _gqa_drafter(head_dim=16).cuda()
     samples = [random_sample(23, 1, 4), random_sample(17, 2, 9), random_sample(30, 3, 2)]
     b = {k: (v.cuda() if torch.is_tensor(v) else [x.cuda() if torch.is_tensor(x) else x for x in v]
              if isinstance(v, list) else v) for k, v in TTTCollator(T2D_INDEX, ttt_steps=4, max_length=64)(samples).items()}

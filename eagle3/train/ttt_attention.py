@@ -155,7 +155,9 @@ class FlexChainMask:
         """``q [B, h, T', d]``, ``k, v [B, kv, T + step * T', d]`` (``h = kv * rep``) -> ``[B, h, T', d]``.
 
         Raises:
-            Eagle3Error: on CPU with gradients (no FlexAttention backward there).
+            Eagle3Error: on CPU with gradients (no FlexAttention backward there); on CUDA with a
+                head dim below 16 (the compiled kernel's ``tl.dot`` takes no less; measured on one
+                H200, torch 2.11).
         """
         if q.device.type == "cpu" and torch.is_grad_enabled() and q.requires_grad:
             raise Eagle3Error("drafter.ttt_attention=flex trains on CUDA only (PyTorch's FlexAttention has no "
@@ -163,6 +165,9 @@ class FlexChainMask:
         if k.shape[2] != self.T + self.step * q.shape[2]:
             raise Eagle3Error(f"FlexChainMask step {self.step}: {k.shape[2]} keys for T={self.T} and "
                               f"T'={q.shape[2]} (expected T + step * T')")
+        if q.device.type != "cpu" and q.shape[-1] < 16:
+            raise Eagle3Error(f"drafter.ttt_attention=flex: the drafter's head dim is {q.shape[-1]}, and FlexAttention's "
+                              "CUDA kernel needs at least 16; use drafter.ttt_attention=dense")
         if q.device.type == "cpu":
             from torch.nn.attention.flex_attention import flex_attention as flex
         else:
