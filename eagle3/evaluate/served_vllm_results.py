@@ -191,9 +191,10 @@ def concurrency_table(sweep: dict, names: list[str], concurrency: list[int], dep
 def benchmark_verdict(b: dict, cap: Optional[int]) -> tuple[str, list[str]]:
     """:func:`eagle3.evaluate.metrics.verdict`, except that a batch-1 speed-up whose 95%
     interval contains 1.0 (or that has too few prompts for one) is "no measurable
-    speed-up", not "slower"."""
+    speed-up" (the code ``no-speedup``), not "slower"."""
     ci = b.get("speedup_ci95")
     if b.get("speedup") is None or (ci and not ci[0] <= 1.0 <= ci[1]):
         return verdict(b, spec_cap=cap)
     code, notes = verdict({**b, "speedup": None}, spec_cap=cap)
-    return code, notes + [b["speedup_statement"] + " at batch 1 over prompts"]
+    codes = [c for c in code.split(", ") if c != "OK"] + ["no-speedup"]
+    return ", ".join(codes), notes + [b["speedup_statement"] + " at batch 1 over prompts"]
