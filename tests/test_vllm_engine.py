@@ -229,10 +229,63 @@ def _pair(sid, base, spec, drafts=0, acc=0, per=(), turn=0):
 def test_lossless_counts_prompts_and_reports_the_first_mismatch():
     pairs = [_pair("a", _c([5, 6, 7]), _c([5, 6, 7])), _pair("b", _c([5, 6, 7]), _c([5, 9, 7])),
              _pair("c", _c([5, 6]), _c([5, 6, 8])), _pair("a", _c([1]), _c([1]), turn=1)]
-    matches, n, first = lossless(pairs)
-    assert (matches, n) == (1, 3)
+    matches, n, first, ties = lossless(pairs)
+    assert (matches, n, ties) == (1, 3, 0)
     assert first == {"sample_id": "b", "turn": 0, "position": 1, "baseline_token": 6, "speculative_token": 9,
                      "baseline_len": 3, "speculative_len": 3}
+    # with the diagnosis: b's first mismatch is a tie, c's (one output ended first) is not
+    diag = {("b", "b", 0): {"position": 1, "logit_gap": 0.125, "tie": True},
+            ("b", "c", 0): {"position": 2, "logit_gap": None, "tie": False}}
+    matches, n, first, ties = lossless(pairs, diag)
+    assert (matches, n, ties) == (1, 3, 1) and first["logit_gap"] == 0.125 and first["tie"] is True
+
+
+class _PromptLogprobs(QuietHandler):
+    """Answers /v1/completions with prompt_logprobs in vLLM's shape (entry 0 null; each later
+    entry {token id: {logprob, rank, decoded_token}}, the top alternatives plus the prompt's own
+    token): at the last position token 6 at -0.70, token 9 at -0.82, token 4 at -3.0."""
+
+    bodies: list = []
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).bodies.append(body)
+        n = len(body["prompt"])
+        last = {"6": {"logprob": -0.70, "rank": 1, "decoded_token": "a"},
+                "9": {"logprob": -0.82, "rank": 2, "decoded_token": "b"},
+                "4": {"logprob": -3.0, "rank": 3, "decoded_token": "c"}}
+        entries = [None] + [{"1": {"logprob": -1.0, "rank": 1, "decoded_token": "x"}}] * (n - 2) + [last]
+        self.send_text(json.dumps({"choices": [{"index": 0, "text": "", "token_ids": [6],
+                                                "prompt_logprobs": entries}]}))
+
+
+def test_diagnosis_asks_the_baseline_for_the_gap_at_each_prompts_first_mismatch():
+    from eagle3.evaluate.served_vllm_measure import diagnose_mismatches
+    from eagle3.evaluate.served_vllm_results import pair_summary
+
+    _PromptLogprobs.bodies = []
+    pairs = {"b": [_pair("t", _c([5, 6, 7]), _c([5, 9, 7])),          # gap |-0.70 - -0.82| = 0.12: a tie
+                   _pair("t", _c([5, 6]), _c([5, 4]), turn=1),          # same prompt, later turn: not asked
+                   _pair("w", _c([5, 6, 7]), _c([5, 4, 7])),          # gap 2.30: a changed output
+                   _pair("x", _c([5, 6]), _c([5, 6, 8])),              # one output ended first: no request
+                   _pair("m", _c([1, 2]), _c([1, 2]))]}                # equal: nothing
+    with serve(_PromptLogprobs) as url:
+        diag = diagnose_mismatches(VLLMClient(url, max_retries=0), "target", pairs)
+    assert diag[("b", "t", 0)]["logit_gap"] == pytest.approx(0.12) and diag[("b", "t", 0)]["tie"] is True
+    assert diag[("b", "w", 0)]["logit_gap"] == pytest.approx(2.30) and diag[("b", "w", 0)]["tie"] is False
+    assert diag[("b", "x", 0)] == {"position": 2, "logit_gap": None, "tie": False}
+    assert set(diag) == {("b", "t", 0), ("b", "w", 0), ("b", "x", 0)}
+    # one request per diagnosable prompt: the turn's prompt ids, then the baseline's output through the mismatch
+    assert [b["prompt"] for b in _PromptLogprobs.bodies] == [[1, 2, 5, 6], [1, 2, 5, 6]]
+    assert all(b["prompt_logprobs"] == 20 and b["max_tokens"] == 1 and b["temperature"] == 0.0
+               for b in _PromptLogprobs.bodies)
+    s = pair_summary(pairs["b"], depth=3, seed=0, diagnosis=diag)
+    assert (s["lossless_matches"], s["lossless_checked"], s["lossless_near_ties"]) == (1, 4, 1)
+    # the verdict: one prompt changed beyond a tie is not lossless; ties alone are
+    from eagle3.evaluate.metrics import verdict
+
+    assert "not-lossless" in verdict(s)[0]
+    assert "not-lossless" not in verdict({**s, "lossless_near_ties": 3})[0]
 
 
 def test_pair_summary_tau_and_speedup_from_hand_computed_counters():

@@ -9,7 +9,8 @@ the in-process capture of the same tokens; ``train.py`` overfits a drafter on th
 ``export/vllm`` is served beside a baseline server. Checked: the served tau on those
 prompts is at least 3.0 at 3 draft tokens (a drafter fed the wrong aux layers, e.g. an
 SGLang-convention export, does not get there), speculative greedy output equals the
-baseline's, and the ``/metrics`` counters add up. Ports ``EAGLE3_VLLM_PORT`` (default
+baseline's, the ``/metrics`` counters add up, and the baseline server's logit gap at a
+greedy mismatch (the lossless check's near-tie test) agrees with the in-process one. Ports ``EAGLE3_VLLM_PORT`` (default
 8180) to +2 are used.
 """
 
@@ -117,6 +118,35 @@ def _check_capture_parity(features: Path, info) -> None:
     assert cos.mean(0).min() > 0.98 and top1.mean() > 0.75
 
 
+def _check_tie_diagnosis(client, model_name: str, prompt_ids: list[int], out_ids: list[int]) -> None:
+    """The greedy-mismatch diagnosis against the real baseline server: at each early position of
+    a real greedy reply, a mismatch made with the in-process target's second-best token there;
+    the server's logit gap (its ``prompt_logprobs``, INT4 kernel) against the in-process float32
+    gap of the same two tokens (dequantized weights, an independent implementation)."""
+    from eagle3.config import HFEngineConfig
+    from eagle3.engines.hf.engine import HFEngine
+    from eagle3.engines.vllm import Completion, SpecCounters
+    from eagle3.evaluate.served_vllm_measure import Pair, diagnose_mismatches
+
+    hf = HFEngine.from_config(_compose("extract", COMMON).model, HFEngineConfig(device="cpu"), str(ROOT / "data" / "models"))
+    cap = hf.capture([list(prompt_ids) + list(out_ids)], 2)[0]
+    ref, pairs = {}, []
+    for i in range(1, min(12, len(out_ids))):
+        ids, lps = cap.topk_ids[len(prompt_ids) + i - 1].tolist(), cap.topk_logprobs[len(prompt_ids) + i - 1].tolist()
+        if ids[0] != out_ids[i]:  # the two engines' argmax differ here
+            continue
+        spec = list(out_ids[:i]) + [ids[1]] + list(out_ids[i + 1:])
+        pairs.append(Pair("live", f"p{i}", 0, list(prompt_ids), Completion(list(out_ids), 0.0, 0.0, "stop"),
+                          Completion(spec, 0.0, 0.0, "stop"), SpecCounters()))
+        ref[f"p{i}"] = lps[0] - lps[1]
+    diag = diagnose_mismatches(client, model_name, {"live": pairs})
+    got = {sid: diag[("live", sid, 0)]["logit_gap"] for sid in ref}
+    print(f"\nlogit gap at a made mismatch, served (INT4 kernel) vs in-process float32: "
+          f"{[(round(got[k], 3), round(ref[k], 3)) for k in ref]}")
+    assert len(ref) >= 5 and all(g is not None for g in got.values())
+    assert max(abs(got[k] - ref[k]) for k in ref) < 0.5
+
+
 def _overfit_drafter(tmp_path, features: Path) -> Path:
     """Train (overfit) a drafter on ``features``; returns its ``export/vllm`` folder."""
     from eagle3.train.run import run_train
@@ -168,6 +198,7 @@ def test_extract_from_the_server_then_an_overfit_drafter_served_reaches_tau_3_lo
         tau = 1 + accepted / drafts
         print(f"\nserved tau of the overfit drafter: {tau:.2f} over {drafts} verify passes")
         assert tau >= 3.0
+        _check_tie_diagnosis(base, e.served_model_name, body["prompt"], a.output_ids)
     finally:
         for p in started:
             p.stop()

@@ -239,6 +239,21 @@ def pooled_ratio_interval(rows, resamples: int = 2000, level: float = 0.95,
     return [float(lo), float(hi)]
 
 
+#: a served greedy mismatch counts as a rounding near-tie when the baseline server's
+#: log-probs of the two tokens differ by at most this (nats = logit units): two bf16 ulps
+#: of logits in [16, 32), the magnitude SmolLM2's logits have (its returned log-probs
+#: step by 0.125)
+SERVED_TIE_GAP = 0.25
+
+
+def first_difference(a: list[int], b: list[int]) -> Optional[int]:
+    """The first position where two id lists differ (the shorter length when one is a
+    prefix of the other), or None when they are equal."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def lossless_check(pairs: Pairs) -> dict:
     """Whether the speculative server's greedy output equals the baseline's, per prompt.
 
@@ -257,9 +272,8 @@ def lossless_check(pairs: Pairs) -> dict:
     for base, spec in pairs:
         bad = None
         for b, s in zip(base, spec):
-            if b.output_ids != s.output_ids:
-                n = min(len(b.output_ids), len(s.output_ids))
-                first = next((i for i in range(n) if b.output_ids[i] != s.output_ids[i]), n)
+            first = first_difference(b.output_ids, s.output_ids)
+            if first is not None:
                 bad = {"sample_id": b.sample_id, "turn": b.turn, "first_diff": first,
                        "baseline_tokens": len(b.output_ids), "speculative_tokens": len(s.output_ids),
                        **(getattr(b, "diagnosis", None) or {})}

@@ -16,7 +16,7 @@ import time
 from typing import Optional
 
 from eagle3.engines import sglang as sg
-from eagle3.evaluate.served_measures import Pairs, RequestRecord, summarize
+from eagle3.evaluate.served_measures import SERVED_TIE_GAP, Pairs, RequestRecord, summarize
 from eagle3.evaluate.servers import ROLES
 
 log = logging.getLogger(__name__)
@@ -177,11 +177,6 @@ def sweep_server(
     return out
 
 
-#: a served greedy mismatch counts as a rounding near-tie when the baseline server's
-#: log-probs of the two tokens differ by at most this (nats = logit units): two bf16 ulps
-#: of logits in [16, 32), the magnitude SmolLM2's logits have (its returned log-probs
-#: step by 0.125)
-SERVED_TIE_GAP = 0.25
 
 
 def diagnose_mismatches(client: sg.SGLangClient, tokenizer, rows: dict[str, list[dict]], pairs: dict[str, Pairs],

@@ -145,7 +145,8 @@ def evaluate_servers(cfg: Any, settings, export, info, tokenizer, benchmarks: di
     """
     from eagle3.evaluate.served_results import PLOT_NAME, plot_throughput
     from eagle3.evaluate.served_measures import prompt_limit
-    from eagle3.evaluate.served_vllm_measure import Servers, measure_pairs, pairs_as_sweep, sweep_concurrency, warm_up
+    from eagle3.evaluate.served_vllm_measure import (Servers, diagnose_mismatches, measure_pairs, pairs_as_sweep,
+                                                        sweep_concurrency, warm_up)
     from eagle3.evaluate.served_vllm_servers import cap_warnings, check_servers, open_servers
     from eagle3.target import render_prompt, resolve_target
 
@@ -167,6 +168,9 @@ def evaluate_servers(cfg: Any, settings, export, info, tokenizer, benchmarks: di
             warm_up(servers, warm, int(cfg.warmup_prompts))
         pairs = measure_pairs(servers, rows, lambda msgs: render_prompt(tokenizer, msgs),
                               lambda ids: tokenizer.decode(ids, skip_special_tokens=True), limit, why, warnings)
+        # greedy mismatches: a rounding tie of the baseline's two logits, or a changed output
+        diagnosis = (diagnose_mismatches(servers.baseline, servers.body["model"], pairs)
+                     if float(cfg.temperature) == 0 else None)
         prompts = {n: [p.prompt_ids for p in ps] for n, ps in pairs.items()}
         sweep = sweep_concurrency(servers, prompts, [c for c in concurrency if c != 1])
         if 1 in concurrency:  # what the interleaved pairs measured
@@ -175,15 +179,16 @@ def evaluate_servers(cfg: Any, settings, export, info, tokenizer, benchmarks: di
     finally:
         for s in opened.values():
             s.stop()
-    results = assemble(cfg, settings, pairs, sweep, desc, concurrency, warnings)
+    results = assemble(cfg, settings, pairs, sweep, desc, concurrency, warnings, diagnosis)
     plot_throughput(results, output_dir / PLOT_NAME)
     write_request_log(pairs, sweep, output_dir / REQUESTS_NAME)
     return results
 
 
 def assemble(cfg: Any, settings, pairs: dict, sweep: dict, desc: dict, concurrency: list[int],
-             warnings: list[str]) -> dict:
-    """The results dict from the measures (the report's shape, ``engine: vllm``)."""
+             warnings: list[str], diagnosis: Optional[dict] = None) -> dict:
+    """The results dict from the measures (the report's shape, ``engine: vllm``); ``diagnosis``:
+    the near-tie test of the greedy mismatches (:func:`eagle3.evaluate.served_vllm_measure.diagnose_mismatches`)."""
     from eagle3.evaluate.served_vllm_results import benchmark_verdict, concurrency_table, pair_summary
 
     spec_eff = desc["speculative"]["effective"]
@@ -192,13 +197,16 @@ def assemble(cfg: Any, settings, pairs: dict, sweep: dict, desc: dict, concurren
     per, pooled = concurrency_table(sweep, names, concurrency, depth)
     benches = {}
     for n in names:
-        b = pair_summary(pairs[n], depth, int(cfg.seed))
+        b = pair_summary(pairs[n], depth, int(cfg.seed), diagnosis)
         b["concurrency"] = per[n]
         b["verdict"], b["verdict_notes"] = benchmark_verdict(b, spec_eff.get("max_num_seqs"))
         benches[n] = b
         if b["lossless_matches"] < b["lossless_checked"]:
+            ties = b.get("lossless_near_ties")
             warnings.append(f"{n}: {b['lossless_checked'] - b['lossless_matches']} of {b['lossless_checked']} prompts "
-                            f"differ from the baseline's greedy output; first mismatch {b['lossless_first_mismatch']}")
+                            f"differ from the baseline's greedy output"
+                            + (f" ({ties} first at a rounding tie of the baseline's two best logits)" if ties else "")
+                            + f"; first mismatch {b['lossless_first_mismatch']}")
         warnings.append(f"{n}: {b['speedup_statement']} at batch 1 over {len(b['speedup_per_prompt'])} prompts")
     return {
         "engine": "vllm",

@@ -236,3 +236,58 @@ def sweep_concurrency(servers: Servers, prompts: dict[str, list[list[int]]],
                          f", tau {run.counters.tau:.2f}" if run.counters and run.counters.tau else "")
             k += 1
     return out
+
+
+def diagnose_mismatches(client: VLLMClient, model: str, pairs: dict[str, list[Pair]],
+                        top: int = 20) -> dict[tuple[str, str, int], dict]:
+    """The baseline server's logit gap at each prompt's first greedy mismatch.
+
+    For each prompt, its first turn whose speculative output ids differ from the
+    baseline's at a position ``i`` where both have a token: one request to the baseline
+    server with ``prompt_logprobs`` (``top`` alternatives; vLLM also lists the prompt's own
+    token) on the turn's prompt ids plus the baseline's output up to and including ``i``;
+    its last entry is the server's distribution of that position. The gap is
+    ``|logprob(baseline token) - logprob(speculative token)|`` (nats; equal to the logit
+    gap, one softmax). Within :data:`eagle3.evaluate.served_measures.SERVED_TIE_GAP` the
+    two tokens tie within rounding: a batched verify pass and a one-token decode step
+    round differently (batch-variant kernels), which flips the argmax of near-equal logits
+    without speculation changing anything. The served analogue of the SGLang path's
+    :func:`eagle3.evaluate.served_sweeps.diagnose_mismatches`.
+
+    Returns:
+        ``{(benchmark, sample_id, turn): {"position", "logit_gap", "tie"}}``; ``logit_gap``
+        None (and ``tie`` False) when the speculative token is not among the listed
+        alternatives or one output ended first (a length difference is not a tie).
+
+    Raises:
+        Eagle3Error: an answer without ``prompt_logprobs`` (the server's ``--max-logprobs``
+            below ``top``: the server's message says so).
+    """
+    from eagle3.errors import Eagle3Error
+    from eagle3.evaluate.served_measures import SERVED_TIE_GAP, first_difference
+
+    out: dict[tuple[str, str, int], dict] = {}
+    for name, ps in pairs.items():
+        seen: set[str] = set()
+        for p in ps:
+            i = first_difference(p.base.output_ids, p.spec.output_ids)
+            if i is None or p.sample_id in seen:
+                continue
+            seen.add(p.sample_id)
+            b, s = p.base.output_ids, p.spec.output_ids
+            row = {"position": i, "logit_gap": None, "tie": False}
+            out[(name, p.sample_id, p.turn)] = row
+            if i >= len(b) or i >= len(s):
+                continue
+            ans = client.request("POST", "/v1/completions", {
+                "model": model, "prompt": list(p.prompt_ids) + list(b[: i + 1]), "max_tokens": 1,
+                "temperature": 0.0, "prompt_logprobs": int(top)})
+            entries = ((ans.get("choices") or [{}])[0]).get("prompt_logprobs") or []
+            if not entries or not entries[-1]:
+                raise Eagle3Error(f"the baseline vLLM server at {client.url} answered no prompt_logprobs; it needs "
+                                  f"--max-logprobs {top} or more")
+            lp = {int(t): float(v["logprob"]) for t, v in entries[-1].items()}
+            if b[i] in lp and s[i] in lp:
+                row["logit_gap"] = abs(lp[b[i]] - lp[s[i]])
+                row["tie"] = row["logit_gap"] <= SERVED_TIE_GAP
+    return out

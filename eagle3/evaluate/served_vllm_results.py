@@ -10,7 +10,8 @@ Per benchmark, from the batch-1 pairs (:func:`eagle3.evaluate.served_vllm_measur
   speculative / baseline, with a seeded bootstrap 95% interval over prompts; an
   interval containing 1.0 is reported as no measurable speed-up (and never as slower);
 * lossless: prompts whose speculative greedy token ids equal the baseline's, with the
-  first mismatch (turn, position, both tokens);
+  first mismatch (turn, position, both tokens) and, at T=0, how many mismatching prompts
+  first differ at a rounding tie of the baseline server's two logits (``lossless_near_ties``);
 
 plus the concurrency table of :func:`eagle3.evaluate.served_vllm_measure.sweep_concurrency`
 (speed-up = speculative / baseline output tokens/s over the run's wall time).
@@ -23,7 +24,7 @@ from typing import Any, Optional
 
 from eagle3.engines.vllm import SpecCounters
 from eagle3.evaluate.metrics import diversity, ratio, verdict
-from eagle3.evaluate.served_measures import percentiles_ms, pooled_ratio_interval
+from eagle3.evaluate.served_measures import first_difference, percentiles_ms, pooled_ratio_interval
 from eagle3.evaluate.served_vllm_measure import ROLES, Pair, SweepRun
 
 BOOTSTRAP_RESAMPLES = 2000
@@ -76,22 +77,32 @@ def _decode_tps(cs) -> Optional[float]:
     return sum(max(c.completion_tokens - 1, 0) for c in cs) / dec if dec > 0 else None
 
 
-def lossless(pairs: list[Pair]) -> tuple[int, int, Optional[dict]]:
-    """``(prompts whose every turn matches, prompts, first mismatch or None)``; a mismatch is
-    ``{sample_id, turn, position, baseline_token, speculative_token, baseline_len, speculative_len}``."""
+def lossless(pairs: list[Pair], diagnosis: Optional[dict] = None) -> tuple[int, int, Optional[dict], int]:
+    """``(prompts whose every turn matches, prompts, first mismatch or None, near ties)``.
+
+    A mismatch is ``{sample_id, turn, position, baseline_token, speculative_token,
+    baseline_len, speculative_len}``, with ``logit_gap`` and ``tie`` where ``diagnosis``
+    (:func:`eagle3.evaluate.served_vllm_measure.diagnose_mismatches`, keyed by
+    ``(benchmark, sample_id, turn)``) has the prompt's first mismatch; ``near ties``
+    counts the mismatching prompts whose first mismatch is a rounding tie.
+    """
     ok: dict[str, bool] = {}
+    tie: dict[str, bool] = {}
     first = None
     for p in pairs:
         a, b = p.base.output_ids, p.spec.output_ids
-        same = a == b
-        ok[p.sample_id] = ok.get(p.sample_id, True) and same
-        if not same and first is None:
-            pos = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            first = {"sample_id": p.sample_id, "turn": p.turn, "position": pos,
-                     "baseline_token": a[pos] if pos < len(a) else None,
-                     "speculative_token": b[pos] if pos < len(b) else None,
-                     "baseline_len": len(a), "speculative_len": len(b)}
-    return sum(ok.values()), len(ok), first
+        pos = first_difference(a, b)
+        if pos is not None and ok.get(p.sample_id, True):  # the prompt's first mismatching turn
+            d = (diagnosis or {}).get((p.benchmark, p.sample_id, p.turn)) or {}
+            tie[p.sample_id] = bool(d.get("tie"))
+            if first is None:
+                first = {"sample_id": p.sample_id, "turn": p.turn, "position": pos,
+                         "baseline_token": a[pos] if pos < len(a) else None,
+                         "speculative_token": b[pos] if pos < len(b) else None,
+                         "baseline_len": len(a), "speculative_len": len(b),
+                         **({"logit_gap": d.get("logit_gap"), "tie": bool(d.get("tie"))} if d else {})}
+        ok[p.sample_id] = ok.get(p.sample_id, True) and pos is None
+    return sum(ok.values()), len(ok), first, sum(tie.values())
 
 
 def _tau_interval(pairs: list[Pair]) -> Optional[list[float]]:
@@ -112,15 +123,16 @@ def _counters(pairs: list[Pair]) -> SpecCounters:
     return total
 
 
-def pair_summary(pairs: list[Pair], depth: int, seed: int) -> dict:
-    """One benchmark's batch-1 entry of the report (see the module docstring)."""
+def pair_summary(pairs: list[Pair], depth: int, seed: int, diagnosis: Optional[dict] = None) -> dict:
+    """One benchmark's batch-1 entry of the report (see the module docstring); ``diagnosis``
+    as :func:`lossless` reads it."""
     by = _per_prompt(pairs)
     ratios = [r for d in by.values() if (r := ratio(_tps(d["spec"]), _tps(d["base"]))) is not None]
     med = median(ratios) if ratios else None
     ci = bootstrap_median_ci(ratios, seed)
     cnt = _counters(pairs)
     spec, base = [p.spec for p in pairs], [p.base for p in pairs]
-    matches, checked, first = lossless(pairs)
+    matches, checked, first, ties = lossless(pairs, diagnosis)
     # each request: 1 prefill token + (1 + accepted) per verify pass; differs when max_tokens cut a pass short
     counted = sum(1 for p in pairs if p.counters.drafts + p.counters.accepted + 1 != p.spec.completion_tokens)
     return {
@@ -141,6 +153,7 @@ def pair_summary(pairs: list[Pair], depth: int, seed: int) -> dict:
         "speedup_statement": speedup_statement(med, ci),
         "decode_speedup": ratio(_decode_tps(spec), _decode_tps(base)),
         "lossless_matches": matches, "lossless_checked": checked, "lossless_first_mismatch": first,
+        "lossless_near_ties": ties if diagnosis is not None else None,
         "diversity": diversity([c.output_ids for c in spec]),
         "ttft_ms_spec": percentiles_ms([c.ttft_s for c in spec]), "ttft_ms_base": percentiles_ms([c.ttft_s for c in base]),
         "tpot_ms_spec": percentiles_ms([(c.latency_s - c.ttft_s) / (c.completion_tokens - 1) for c in spec
