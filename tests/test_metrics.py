@@ -111,6 +111,18 @@ def test_verdict_calls_a_speed_up_above_tau_timing_noise_and_an_interval_across_
     assert verdict({"acceptance_length": 2.5, "speedup": 2.4})[0] == "OK"  # below tau: possible
 
 
+def test_verdict_treats_a_failed_timing_as_not_measured_and_counts_ties_among_mismatches():
+    nan = float("nan")
+    v, notes = verdict({"acceptance_length": 2.0, "speedup": nan})
+    assert v == "no-speedup" and "not a number" in notes[0]
+    # an interval that is not two finite numbers is no interval: the point estimate decides
+    assert verdict({"acceptance_length": 2.0, "speedup": 1.3, "speedup_interval": [nan, nan]})[0] == "OK"
+    assert verdict({"acceptance_length": 2.0, "speedup": 0.8, "speedup_interval": [0.7]})[0] == "slower"
+    # more ties than mismatches cannot be: 2 prompts differ, both at ties, not 5
+    v, notes = verdict({"lossless_matches": 8, "lossless_checked": 10, "lossless_near_ties": 5})
+    assert v == "OK" and "the other 2 first differ" in notes[0]
+
+
 def test_in_process_speed_up_interval_is_the_bootstrap_over_prompts():
     import numpy as np
 

@@ -259,13 +259,30 @@ class _PromptLogprobs(QuietHandler):
                                                 "prompt_logprobs": entries}]}))
 
 
-def test_diagnosis_asks_the_baseline_for_the_gap_at_each_prompts_first_mismatch():
+class _Refuses(QuietHandler):
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_text(json.dumps({"error": {"message": "Requested prompt logprobs of 20, which is greater than max allowed: 5"}}), 400)
+
+
+def test_a_failed_diagnosis_is_recorded_not_raised():
+    """A server that refuses prompt_logprobs (``--max-logprobs`` below 20) must not end the
+    evaluation: the mismatch keeps no gap, counts as changed, and says why."""
+    from eagle3.evaluate.served_vllm_measure import diagnose_mismatches
+
+    with serve(_Refuses) as url:
+        d = diagnose_mismatches(VLLMClient(url, max_retries=0), "target", {"b": [_pair("t", _c([5, 6]), _c([5, 9]))]})
+    row = d[("b", "t", 0)]
+    assert row["logit_gap"] is None and row["tie"] is False and "--max-logprobs 20" in row["error"]
+
+
+def test_diagnosis_asks_the_baseline_for_the_gap_at_each_mismatching_turn():
     from eagle3.evaluate.served_vllm_measure import diagnose_mismatches
     from eagle3.evaluate.served_vllm_results import pair_summary
 
     _PromptLogprobs.bodies = []
     pairs = {"b": [_pair("t", _c([5, 6, 7]), _c([5, 9, 7])),          # gap |-0.70 - -0.82| = 0.12: a tie
-                   _pair("t", _c([5, 6]), _c([5, 4]), turn=1),          # same prompt, later turn: not asked
+                   _pair("t", _c([5, 6]), _c([5, 6]), turn=1),          # same prompt, later turn, equal
                    _pair("w", _c([5, 6, 7]), _c([5, 4, 7])),          # gap 2.30: a changed output
                    _pair("x", _c([5, 6]), _c([5, 6, 8])),              # one output ended first: no request
                    _pair("m", _c([1, 2]), _c([1, 2]))]}                # equal: nothing
@@ -275,12 +292,17 @@ def test_diagnosis_asks_the_baseline_for_the_gap_at_each_prompts_first_mismatch(
     assert diag[("b", "w", 0)]["logit_gap"] == pytest.approx(2.30) and diag[("b", "w", 0)]["tie"] is False
     assert diag[("b", "x", 0)] == {"position": 2, "logit_gap": None, "tie": False}
     assert set(diag) == {("b", "t", 0), ("b", "w", 0), ("b", "x", 0)}
-    # one request per diagnosable prompt: the turn's prompt ids, then the baseline's output through the mismatch
+    # one request per diagnosable turn: the turn's prompt ids, then the baseline's output through the mismatch
     assert [b["prompt"] for b in _PromptLogprobs.bodies] == [[1, 2, 5, 6], [1, 2, 5, 6]]
     assert all(b["prompt_logprobs"] == 20 and b["max_tokens"] == 1 and b["temperature"] == 0.0
                for b in _PromptLogprobs.bodies)
     s = pair_summary(pairs["b"], depth=3, seed=0, diagnosis=diag)
     assert (s["lossless_matches"], s["lossless_checked"], s["lossless_near_ties"]) == (1, 4, 1)
+    # a prompt counts as a tie only when every differing turn is one (as the in-process check)
+    two = [_pair("t", _c([5, 6, 7]), _c([5, 9, 7])), _pair("t", _c([5, 6, 7]), _c([5, 4, 7]), turn=1)]
+    with serve(_PromptLogprobs) as url:
+        d2 = diagnose_mismatches(VLLMClient(url, max_retries=0), "target", {"b": two})
+    assert [d2[("b", "t", t)]["tie"] for t in (0, 1)] == [True, False] and lossless(two, d2)[3] == 0
     # the verdict: one prompt changed beyond a tie is not lossless; ties alone are
     from eagle3.evaluate.metrics import verdict
 

@@ -21,7 +21,7 @@ a quarter of the output.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -178,11 +178,21 @@ def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
 
 
 # ----------------------------------------------------------------------------- verdict
+def _finite(x: Any) -> Optional[float]:
+    """``x`` as a float, or None when it is missing or not a finite number (a failed timing)."""
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
 def verdict(bench: dict, spec_cap: Optional[int] = None) -> tuple[str, list[str]]:
     """Short verdict and explanations for one benchmark's results.
 
-    Reads ``acceptance_length``, ``speedup``, ``diversity.loops`` (or
-    ``loop_fraction``), ``lossless_matches``/``num_prompts`` and, from a served run, the
+    Reads ``acceptance_length``, ``speedup`` and ``speedup_interval`` (a missing or
+    non-finite value, a failed timing, is treated as not measured), ``diversity.loops``,
+    ``lossless_matches``/``lossless_checked``/``lossless_near_ties`` and, from a served run, the
     ``concurrency`` table (``speedup`` per ``concurrency``). ``spec_cap`` is the
     speculative server's effective ``max_running_requests`` when known.
 
@@ -199,14 +209,19 @@ def verdict(bench: dict, spec_cap: Optional[int] = None) -> tuple[str, list[str]
     """
     codes, notes = [], []
     tau = bench.get("acceptance_length")
-    sp = bench.get("speedup")
+    sp = _finite(bench.get("speedup"))
     if tau is not None and not math.isnan(tau) and tau < TAU_ACCEPTS_NOTHING:
         codes.append("accepts-nothing")
         notes.append(
             f"tau {tau:.2f} means the drafter accepts nothing: check the aux layer ids, d2t and the feature "
             "source (were features extracted from the served target and quantization?)"
         )
+    if bench.get("speedup") is not None and sp is None:
+        codes.append("no-speedup")
+        notes.append(f"the speed-up {bench.get('speedup')!r} is not a number: a timing failed, so nothing is claimed; "
+                     "rerun the evaluation")
     iv = bench.get("speedup_interval")
+    iv = list(iv) if iv is not None and len(iv) == 2 and all(_finite(x) is not None for x in iv) else None
     if sp is not None and sp < 1.0 and not (iv and iv[1] >= 1.0):
         codes.append("slower")
         notes.append(f"speed-up {sp:.2f} < 1: speculation costs more than it saves here")
@@ -234,7 +249,7 @@ def verdict(bench: dict, spec_cap: Optional[int] = None) -> tuple[str, list[str]
             )
         )
     matches, n = bench.get("lossless_matches"), bench.get("lossless_checked")
-    ties = bench.get("lossless_near_ties") or 0
+    ties = min(bench.get("lossless_near_ties") or 0, (n or 0) - (matches or 0))  # ties are among the mismatches
     if matches is not None and n and matches < n:
         if matches + ties < n:
             codes.append("not-lossless")

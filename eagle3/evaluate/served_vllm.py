@@ -195,6 +195,10 @@ def assemble(cfg: Any, settings, pairs: dict, sweep: dict, desc: dict, concurren
     depth = int((spec_eff.get("speculative_config") or {}).get("num_speculative_tokens") or settings.num_steps)
     names = list(pairs)
     per, pooled = concurrency_table(sweep, names, concurrency, depth)
+    failed = [d["error"] for d in (diagnosis or {}).values() if d.get("error")]
+    if failed:
+        warnings.append(f"the near-tie test of {len(failed)} greedy mismatches failed, so they count as changed "
+                        f"outputs: {failed[0]}")
     benches = {}
     for n in names:
         b = pair_summary(pairs[n], depth, int(cfg.seed), diagnosis)

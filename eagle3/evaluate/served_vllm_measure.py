@@ -18,10 +18,11 @@ counter delta over the run gives its tau under load.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from eagle3.engines.vllm import Completion, SpecCounters, VLLMClient, spec_counters
 
@@ -238,56 +239,70 @@ def sweep_concurrency(servers: Servers, prompts: dict[str, list[list[int]]],
     return out
 
 
+def _gap(entry: Any, a: int, b: int) -> Optional[float]:
+    """``|logprob(a) - logprob(b)|`` from one ``prompt_logprobs`` entry (``{token id: {"logprob",
+    ...}}``), or None when either token is not listed or a log-prob is not finite."""
+    lp: dict[int, float] = {}
+    for t, v in (entry or {}).items():
+        try:
+            lp[int(t)] = float(v["logprob"] if isinstance(v, dict) else v)
+        except (TypeError, ValueError, KeyError):
+            continue
+    if a not in lp or b not in lp or not all(math.isfinite(lp[t]) for t in (a, b)):
+        return None
+    return abs(lp[a] - lp[b])
+
+
 def diagnose_mismatches(client: VLLMClient, model: str, pairs: dict[str, list[Pair]],
                         top: int = 20) -> dict[tuple[str, str, int], dict]:
-    """The baseline server's logit gap at each prompt's first greedy mismatch.
+    """The baseline server's logit gap at the first greedy mismatch of every mismatching turn.
 
-    For each prompt, its first turn whose speculative output ids differ from the
-    baseline's at a position ``i`` where both have a token: one request to the baseline
-    server with ``prompt_logprobs`` (``top`` alternatives; vLLM also lists the prompt's own
-    token) on the turn's prompt ids plus the baseline's output up to and including ``i``;
-    its last entry is the server's distribution of that position. The gap is
-    ``|logprob(baseline token) - logprob(speculative token)|`` (nats; equal to the logit
-    gap, one softmax). Within :data:`eagle3.evaluate.served_measures.SERVED_TIE_GAP` the
-    two tokens tie within rounding: a batched verify pass and a one-token decode step
-    round differently (batch-variant kernels), which flips the argmax of near-equal logits
-    without speculation changing anything. The served analogue of the SGLang path's
+    For a turn whose speculative output ids first differ from the baseline's at a position
+    ``i`` where both have a token: one request to the baseline server with
+    ``prompt_logprobs`` (``top`` alternatives; vLLM also lists the prompt's own token) on the
+    turn's prompt ids plus the baseline's output up to and including ``i``; its last entry
+    is the server's distribution of that position. The gap is ``|logprob(baseline token) -
+    logprob(speculative token)|`` (nats; equal to the logit gap, one softmax). Within
+    :data:`eagle3.evaluate.served_measures.SERVED_TIE_GAP` the two tokens tie within
+    rounding: a batched verify pass and a one-token decode step round differently
+    (batch-variant kernels), which flips the argmax of near-equal logits without
+    speculation changing anything. Every turn is asked (later turns carry the baseline's
+    answers, so each turn is its own comparison), as the in-process check counts a prompt
+    a tie only when all its differing turns are. The served analogue of the SGLang path's
     :func:`eagle3.evaluate.served_sweeps.diagnose_mismatches`.
 
     Returns:
-        ``{(benchmark, sample_id, turn): {"position", "logit_gap", "tie"}}``; ``logit_gap``
-        None (and ``tie`` False) when the speculative token is not among the listed
-        alternatives or one output ended first (a length difference is not a tie).
-
-    Raises:
-        Eagle3Error: an answer without ``prompt_logprobs`` (the server's ``--max-logprobs``
-            below ``top``: the server's message says so).
+        ``{(benchmark, sample_id, turn): {"position", "logit_gap", "tie"[, "error"]}}``;
+        ``logit_gap`` None (and ``tie`` False) when one output ended first (a length
+        difference is not a tie), when a token is not among the listed alternatives, or when
+        the request failed (``error`` says why: the diagnosis never ends an evaluation).
     """
+    from eagle3.engines.http import ServerUnavailable
     from eagle3.errors import Eagle3Error
     from eagle3.evaluate.served_measures import SERVED_TIE_GAP, first_difference
 
     out: dict[tuple[str, str, int], dict] = {}
     for name, ps in pairs.items():
-        seen: set[str] = set()
         for p in ps:
-            i = first_difference(p.base.output_ids, p.spec.output_ids)
-            if i is None or p.sample_id in seen:
-                continue
-            seen.add(p.sample_id)
             b, s = p.base.output_ids, p.spec.output_ids
-            row = {"position": i, "logit_gap": None, "tie": False}
+            i = first_difference(b, s)
+            if i is None:
+                continue
+            row: dict[str, Any] = {"position": i, "logit_gap": None, "tie": False}
             out[(name, p.sample_id, p.turn)] = row
             if i >= len(b) or i >= len(s):
                 continue
-            ans = client.request("POST", "/v1/completions", {
-                "model": model, "prompt": list(p.prompt_ids) + list(b[: i + 1]), "max_tokens": 1,
-                "temperature": 0.0, "prompt_logprobs": int(top)})
+            try:
+                ans = client.request("POST", "/v1/completions", {
+                    "model": model, "prompt": list(p.prompt_ids) + list(b[: i + 1]), "max_tokens": 1,
+                    "temperature": 0.0, "prompt_logprobs": int(top)})
+            except (Eagle3Error, ServerUnavailable) as e:
+                row["error"] = f"the baseline server refused prompt_logprobs={top} ({e}); it needs --max-logprobs {top}"
+                continue
             entries = ((ans.get("choices") or [{}])[0]).get("prompt_logprobs") or []
             if not entries or not entries[-1]:
-                raise Eagle3Error(f"the baseline vLLM server at {client.url} answered no prompt_logprobs; it needs "
-                                  f"--max-logprobs {top} or more")
-            lp = {int(t): float(v["logprob"]) for t, v in entries[-1].items()}
-            if b[i] in lp and s[i] in lp:
-                row["logit_gap"] = abs(lp[b[i]] - lp[s[i]])
-                row["tie"] = row["logit_gap"] <= SERVED_TIE_GAP
+                row["error"] = "the baseline server answered no prompt_logprobs at that position"
+                continue
+            row["logit_gap"] = _gap(entries[-1], b[i], s[i])
+            row["tie"] = row["logit_gap"] is not None and row["logit_gap"] <= SERVED_TIE_GAP
     return out

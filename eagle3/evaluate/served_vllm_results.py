@@ -11,7 +11,7 @@ Per benchmark, from the batch-1 pairs (:func:`eagle3.evaluate.served_vllm_measur
   interval containing 1.0 is reported as no measurable speed-up (and never as slower);
 * lossless: prompts whose speculative greedy token ids equal the baseline's, with the
   first mismatch (turn, position, both tokens) and, at T=0, how many mismatching prompts
-  first differ at a rounding tie of the baseline server's two logits (``lossless_near_ties``);
+  differ only at rounding ties of the baseline server's two logits (``lossless_near_ties``);
 
 plus the concurrency table of :func:`eagle3.evaluate.served_vllm_measure.sweep_concurrency`
 (speed-up = speculative / baseline output tokens/s over the run's wall time).
@@ -83,8 +83,8 @@ def lossless(pairs: list[Pair], diagnosis: Optional[dict] = None) -> tuple[int, 
     A mismatch is ``{sample_id, turn, position, baseline_token, speculative_token,
     baseline_len, speculative_len}``, with ``logit_gap`` and ``tie`` where ``diagnosis``
     (:func:`eagle3.evaluate.served_vllm_measure.diagnose_mismatches`, keyed by
-    ``(benchmark, sample_id, turn)``) has the prompt's first mismatch; ``near ties``
-    counts the mismatching prompts whose first mismatch is a rounding tie.
+    ``(benchmark, sample_id, turn)``) has it; ``near ties`` counts the mismatching prompts
+    whose every differing turn first differs at a rounding tie (as the in-process check).
     """
     ok: dict[str, bool] = {}
     tie: dict[str, bool] = {}
@@ -92,16 +92,17 @@ def lossless(pairs: list[Pair], diagnosis: Optional[dict] = None) -> tuple[int, 
     for p in pairs:
         a, b = p.base.output_ids, p.spec.output_ids
         pos = first_difference(a, b)
-        if pos is not None and ok.get(p.sample_id, True):  # the prompt's first mismatching turn
-            d = (diagnosis or {}).get((p.benchmark, p.sample_id, p.turn)) or {}
-            tie[p.sample_id] = bool(d.get("tie"))
-            if first is None:
-                first = {"sample_id": p.sample_id, "turn": p.turn, "position": pos,
-                         "baseline_token": a[pos] if pos < len(a) else None,
-                         "speculative_token": b[pos] if pos < len(b) else None,
-                         "baseline_len": len(a), "speculative_len": len(b),
-                         **({"logit_gap": d.get("logit_gap"), "tie": bool(d.get("tie"))} if d else {})}
         ok[p.sample_id] = ok.get(p.sample_id, True) and pos is None
+        if pos is None:
+            continue
+        d = (diagnosis or {}).get((p.benchmark, p.sample_id, p.turn)) or {}
+        tie[p.sample_id] = tie.get(p.sample_id, True) and bool(d.get("tie"))
+        if first is None:
+            first = {"sample_id": p.sample_id, "turn": p.turn, "position": pos,
+                     "baseline_token": a[pos] if pos < len(a) else None,
+                     "speculative_token": b[pos] if pos < len(b) else None,
+                     "baseline_len": len(a), "speculative_len": len(b),
+                     **({"logit_gap": d.get("logit_gap"), "tie": bool(d.get("tie"))} if d else {})}
     return sum(ok.values()), len(ok), first, sum(tie.values())
 
 
@@ -210,4 +211,4 @@ def benchmark_verdict(b: dict, cap: Optional[int]) -> tuple[str, list[str]]:
         return verdict(b, spec_cap=cap)
     code, notes = verdict({**b, "speedup": None}, spec_cap=cap)
     codes = [c for c in code.split(", ") if c != "OK"] + ["no-speedup"]
-    return ", ".join(codes), notes + [b["speedup_statement"] + " at batch 1 over prompts"]
+    return ", ".join(codes), notes + [b.get("speedup_statement", "no measurable speed-up") + " at batch 1 over prompts"]
