@@ -598,3 +598,19 @@ def test_a_resume_after_a_corrupt_shard_redoes_only_that_shard(tiny_target_dir, 
     assert sorted(map(tuple, engines[-1].prompts)) == sorted(map(tuple, first.prompts))
     after = _files(tmp_path / "out")
     assert all(after[name] == before[name] for name in before if name != "manifest.json")
+
+
+def test_a_bad_data_setting_is_named_before_the_target_is_built(tiny_target_dir, tmp_path, monkeypatch):
+    """``data.limit=0`` is said at once, not after the target's build (minutes on first use)."""
+    import eagle3.extract.run as run
+
+    def no_build(*a, **k):
+        raise AssertionError("the target was resolved before the data checks")
+
+    monkeypatch.setattr(run, "resolve_target", no_build)
+    data = _write_jsonl(tmp_path / "d.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}] * 4)
+    cfg = _cfg(tiny_target_dir, tmp_path, data, tmp_path / "o")
+    cfg.data.limit = 0
+    with pytest.raises(Eagle3Error, match=r"^data.limit=0 must be at least 1"):
+        run.run_extract(cfg)
+    assert not (tmp_path / "o" / "manifest.json").exists()

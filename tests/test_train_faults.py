@@ -133,3 +133,21 @@ def test_a_resumed_run_reports_the_whole_run_training_loss(tmp_path):
     assert full["train_run"]["steps"] == rest["train_run"]["steps"] == 5 and full["train_run"]["loss"] > 0
     assert rest["train_run"] == full["train_run"]  # bit-identical runs: the same sums, exactly
     assert json.loads((tmp_path / "b" / "metrics.json").read_text())["train_run"] == full["train_run"]
+
+
+def test_the_train_stage_names_a_missing_features_folder_or_bad_setting_before_building_the_target(tmp_path, monkeypatch):
+    """``run_train`` builds the target (minutes on first use) only after the settings and every
+    features folder's manifest are checked."""
+    import eagle3.target
+    from eagle3.train.run import run_train
+
+    def no_build(*a, **k):
+        raise AssertionError("the target was resolved before the cheap checks")
+
+    monkeypatch.setattr(eagle3.target, "resolve_target", no_build)
+    write_features(tmp_path / "f", n=12)
+    with pytest.raises(Eagle3Error, match="does not exist; run extract.py first"):
+        run_train(make_cfg(f"{tmp_path / 'f'},{tmp_path / 'missing'}", tmp_path / "o"))
+    with pytest.raises(Eagle3Error, match=r"^optim.lr=-1"):
+        run_train(make_cfg(tmp_path / "f", tmp_path / "o", **{"optim.lr": -1.0}))
+    assert not (tmp_path / "o").exists()

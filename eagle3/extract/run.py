@@ -122,16 +122,16 @@ def run_extract(cfg) -> dict:
     manifest_name = features.MANIFEST if part is None else features.part_manifest_name(*part)
     cache_dir = Path(cfg.cache_dir)
 
-    # 1-2. target; a remote engine is reached now (a missing server fails before any data work),
+    # 1. prompts: a bad data setting is said before the target is built (minutes on first use)
+    prompts = _select_prompts(cfg)
+
+    # 2-3. target; a remote engine is reached now (a missing server fails before the preflight),
     # the in-process one is loaded after the data checks (its load is the expensive step)
     target = resolve_target(cfg.model, cache_dir)
     remote = getattr(cfg.engine, "name", None) != "hf"
     engine = build_engine(cfg.model, cfg.engine, cache_dir, out_dir) if remote else None
     try:
         tokenizer = load_tokenizer(cfg.model, cache_dir, target)
-
-        # 3. prompts
-        prompts = _select_prompts(cfg)
 
         # 4. preflight
         per_shard = preflight(cfg, tokenizer, target, prompts.ids, prompts.messages, prompts.data_stats,

@@ -51,8 +51,14 @@ def run_train(cfg) -> dict:
         Eagle3Error: missing/empty/incompatible features, a features/target mismatch,
             a changed configuration on resume, impossible sizes.
     """
+    from eagle3.features import load_manifest
+    from eagle3.paths import features_dirs
     from eagle3.target import load_target_embeddings, resolve_target
+    from eagle3.train.settings import check_settings
 
+    check_settings(cfg)  # settings and the features folders are said before the target is built (minutes on first use)
+    for d in features_dirs(cfg):
+        load_manifest(d)
     target = resolve_target(cfg.model, cfg.cache_dir)
     embed, lm_head = load_target_embeddings(cfg.model, cfg.cache_dir)
     return train_drafter(cfg, target, embed, lm_head)
