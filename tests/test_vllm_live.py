@@ -121,8 +121,10 @@ def _check_capture_parity(features: Path, info) -> None:
 def _check_tie_diagnosis(client, model_name: str, prompt_ids: list[int], out_ids: list[int]) -> None:
     """The greedy-mismatch diagnosis against the real baseline server: at each early position of
     a real greedy reply, a mismatch made with the in-process target's second-best token there;
-    the server's logit gap (its ``prompt_logprobs``, INT4 kernel) against the in-process float32
-    gap of the same two tokens (dequantized weights, an independent implementation)."""
+    the server's logit gap (its ``prompt_logprobs``, INT4 kernel) against the in-process gap of
+    the same two tokens (transformers on the dequantized weights, bf16 logits: an independent
+    implementation). Measured on a 2-core CPU: at most 0.19 apart over 10 positions (both in
+    steps of 0.125, the bf16 spacing of logits in [16, 32))."""
     from eagle3.config import HFEngineConfig
     from eagle3.engines.hf.engine import HFEngine
     from eagle3.engines.vllm import Completion, SpecCounters
@@ -141,7 +143,7 @@ def _check_tie_diagnosis(client, model_name: str, prompt_ids: list[int], out_ids
         ref[f"p{i}"] = lps[0] - lps[1]
     diag = diagnose_mismatches(client, model_name, {"live": pairs})
     got = {sid: diag[("live", sid, 0)]["logit_gap"] for sid in ref}
-    print(f"\nlogit gap at a made mismatch, served (INT4 kernel) vs in-process float32: "
+    print(f"\nlogit gap at a made mismatch, served (INT4 kernel) vs in-process (dequantized): "
           f"{[(round(got[k], 3), round(ref[k], 3)) for k in ref]}")
     assert len(ref) >= 5 and all(g is not None for g in got.values())
     assert max(abs(got[k] - ref[k]) for k in ref) < 0.5
