@@ -266,6 +266,7 @@ def verdict(bench: dict, spec_cap: Optional[int] = None) -> tuple[str, list[str]
             )
     return (", ".join(codes) if codes else "OK"), notes
 
+
 def _load_verdict(bench: dict, tau: Optional[float], spec_cap: Optional[int], codes: list[str], notes: list[str]) -> None:
     """The served-load part of :func:`verdict`: ``throttled`` or ``compute-bound`` (appended in place)."""
     rows = sorted(
