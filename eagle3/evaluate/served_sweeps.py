@@ -177,8 +177,6 @@ def sweep_server(
     return out
 
 
-
-
 def diagnose_mismatches(client: sg.SGLangClient, tokenizer, rows: dict[str, list[dict]], pairs: dict[str, Pairs],
                         mismatches: dict[str, list[dict]]) -> None:
     """Add ``logit_gap`` and ``tie`` to each mismatch (in place): the baseline server is

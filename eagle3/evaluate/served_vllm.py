@@ -209,7 +209,7 @@ def assemble(cfg: Any, settings, pairs: dict, sweep: dict, desc: dict, concurren
             ties = b.get("lossless_near_ties")
             warnings.append(f"{n}: {b['lossless_checked'] - b['lossless_matches']} of {b['lossless_checked']} prompts "
                             f"differ from the baseline's greedy output"
-                            + (f" ({ties} first at a rounding tie of the baseline's two best logits)" if ties else "")
+                            + (f" ({ties} only at rounding ties of the baseline's two best logits)" if ties else "")
                             + f"; first mismatch {b['lossless_first_mismatch']}")
         warnings.append(f"{n}: {b['speedup_statement']} at batch 1 over {len(b['speedup_per_prompt'])} prompts")
     return {

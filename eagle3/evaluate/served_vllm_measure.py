@@ -297,7 +297,8 @@ def diagnose_mismatches(client: VLLMClient, model: str, pairs: dict[str, list[Pa
                     "model": model, "prompt": list(p.prompt_ids) + list(b[: i + 1]), "max_tokens": 1,
                     "temperature": 0.0, "prompt_logprobs": int(top)})
             except (Eagle3Error, ServerUnavailable) as e:
-                row["error"] = f"the baseline server refused prompt_logprobs={top} ({e}); it needs --max-logprobs {top}"
+                row["error"] = (f"the request for prompt_logprobs={top} failed ({e}); a server that refuses it "
+                                f"needs --max-logprobs {top} or more")
                 continue
             entries = ((ans.get("choices") or [{}])[0]).get("prompt_logprobs") or []
             if not entries or not entries[-1]:
