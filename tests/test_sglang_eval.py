@@ -420,6 +420,16 @@ def test_lossless_check_names_the_first_differing_position():
     r = lossless_check([same, differs, prefix])
     assert r["matches"] == 1 and r["checked"] == 3
     assert [(m["sample_id"], m["turn"], m["first_diff"]) for m in r["mismatches"]] == [("b", 1, 1), ("c", 0, 2)]
+    # every differing turn is listed; a prompt is a near tie only when all of them are ties
+    two = ([_rec("d", 3, 1.0, [5, 6, 7]), _rec("d", 2, 1.0, [1, 2], turn=1)],
+           [_rec("d", 3, 1.0, [5, 9, 7]), _rec("d", 2, 1.0, [1, 9], turn=1)])
+    two[0][0].diagnosis = {"logit_gap": 0.125, "tie": True}
+    two[0][1].diagnosis = {"logit_gap": 3.0, "tie": False}
+    r = lossless_check([two])
+    assert [(m["turn"], m["first_diff"], m["tie"]) for m in r["mismatches"]] == [(0, 1, True), (1, 1, False)]
+    assert (r["matches"], r["near_ties"]) == (0, 0)
+    two[0][1].diagnosis = {"logit_gap": 0.25, "tie": True}
+    assert lossless_check([two])["near_ties"] == 1
 
 
 def test_interleaving_alternates_which_server_goes_first(tokenizer_dir):

@@ -20,6 +20,7 @@ import torch
 
 from eagle3.errors import Eagle3Error
 from eagle3.evaluate.records import TurnRecord, summarize_benchmark
+from eagle3.evaluate.served_measures import gc_held
 from eagle3.evaluate.teacher_forced import teacher_forced_turn
 from eagle3.spec import SpecSettings, SpeculativeDecoder, TargetRunner, target_generate
 
@@ -153,12 +154,13 @@ class _Evaluation:
             s = _turn_seed(self.seed, name, str(row["id"]), t)
             # alternate which decoding goes first, so a drift in machine load hits both alike
             self.turns += 1
-            if self.turns % 2:
-                spec = self.decoder.generate(ids, self.gen(s))
-                base = target_generate(self.runner, ids, self.settings, self.stop, self.gen(s))
-            else:
-                base = target_generate(self.runner, ids, self.settings, self.stop, self.gen(s))
-                spec = self.decoder.generate(ids, self.gen(s))
+            with gc_held():  # no collector pause inside a timed decoding
+                if self.turns % 2:
+                    spec = self.decoder.generate(ids, self.gen(s))
+                    base = target_generate(self.runner, ids, self.settings, self.stop, self.gen(s))
+                else:
+                    base = target_generate(self.runner, ids, self.settings, self.stop, self.gen(s))
+                    spec = self.decoder.generate(ids, self.gen(s))
             rec = TurnRecord(name, str(row["id"]), t, len(ids), spec.tokens, base.tokens,
                              spec.seconds, base.seconds, spec.prefill_seconds, base.prefill_seconds,
                              spec.verify_passes, spec.emitted, spec.accept_counts)

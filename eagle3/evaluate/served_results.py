@@ -199,12 +199,13 @@ def _paired_warnings(name: str, b: dict) -> list[str]:
         )
     if b.get("lossless_matches") is not None and b["lossless_matches"] < b["lossless_checked"]:
         ms = b["lossless_mismatches"]
-        ties = sum(1 for m in ms if m.get("tie"))
+        bad = b["lossless_checked"] - b["lossless_matches"]
+        ties = b.get("lossless_near_ties") or 0
         out.append(
-            f"{name}: the speculative server's greedy output differs from the baseline's on {len(ms)} of "
-            f"{b['lossless_checked']} prompts, {ties} of them first at a near-tie of the top two log-probs "
-            f"(sample, position, gap: {[(m['sample_id'], m['first_diff'], m.get('logit_gap')) for m in ms[:5]]})"
-            + ("; the others point at the drafter's d2t, the server's dtype or its verify kernels" if ties < len(ms) else "")
+            f"{name}: the speculative server's greedy output differs from the baseline's on {bad} of "
+            f"{b['lossless_checked']} prompts, {ties} of them only at near-ties of the top two log-probs "
+            f"(sample, turn, position, gap: {[(m['sample_id'], m['turn'], m['first_diff'], m.get('logit_gap')) for m in ms[:5]]})"
+            + ("; the others point at the drafter's d2t, the server's dtype or its verify kernels" if ties < bad else "")
         )
     return out
 

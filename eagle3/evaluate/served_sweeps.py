@@ -16,7 +16,7 @@ import time
 from typing import Optional
 
 from eagle3.engines import sglang as sg
-from eagle3.evaluate.served_measures import SERVED_TIE_GAP, Pairs, RequestRecord, summarize
+from eagle3.evaluate.served_measures import SERVED_TIE_GAP, Pairs, RequestRecord, gc_held, summarize
 from eagle3.evaluate.servers import ROLES
 
 log = logging.getLogger(__name__)
@@ -129,8 +129,9 @@ def interleave_batch1(clients: dict[str, sg.SGLangClient], tokenizer, benchmarks
             out[name] = []
             for sample in rows:
                 order = ROLES if k % 2 == 0 else ROLES[::-1]
-                recs = {role: run_conversation(clients[role], tokenizer, sample, name, sampling, max_prompt_tokens, cuts)
-                        for role in order}
+                with gc_held():
+                    recs = {role: run_conversation(clients[role], tokenizer, sample, name, sampling, max_prompt_tokens,
+                                                   cuts) for role in order}
                 if recs["baseline"] or recs["speculative"]:
                     out[name].append((recs["baseline"], recs["speculative"]))
                 k += 1
@@ -161,13 +162,14 @@ def sweep_server(
         out[c] = {}
         for name, rows in benchmarks.items():
             client.flush_cache()
-            t0 = time.perf_counter()
-            per_sample = sg.run_parallel(
-                [client], rows,
-                lambda cl, s, name=name: run_conversation(cl, tokenizer, s, name, sampling, max_prompt_tokens, cuts),
-                concurrency=c, desc=f"{role} {name} c={c}",
-            )
-            dur = time.perf_counter() - t0
+            with gc_held():
+                t0 = time.perf_counter()
+                per_sample = sg.run_parallel(
+                    [client], rows,
+                    lambda cl, s, name=name: run_conversation(cl, tokenizer, s, name, sampling, max_prompt_tokens, cuts),
+                    concurrency=c, desc=f"{role} {name} c={c}",
+                )
+                dur = time.perf_counter() - t0
             recs = [r for rs in per_sample for r in rs]
             out[c][name] = (recs, dur)
             s = summarize(recs, dur)

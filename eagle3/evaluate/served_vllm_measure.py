@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from eagle3.engines.vllm import Completion, SpecCounters, VLLMClient, spec_counters
+from eagle3.evaluate.served_measures import SERVED_TIE_GAP, first_difference, gc_held
 
 log = logging.getLogger("eagle3")
 
@@ -159,7 +160,8 @@ def measure_pairs(servers: Servers, benchmarks: dict[str, list[dict]], render: C
                 if max_prompt_tokens is not None and len(prompt) > max_prompt_tokens:
                     skipped += 1
                     break
-                got = {role: _one(servers, role, prompt) for role in order}
+                with gc_held():  # no collector pause inside a timed request
+                    got = {role: _one(servers, role, prompt) for role in order}
                 out[name].append(Pair(name, str(sample["id"]), turn, prompt, got["baseline"][0], got["speculative"][0],
                                       got["speculative"][1], order))
                 history.append({"role": "assistant", "content": decode(got["baseline"][0].output_ids)})
@@ -206,10 +208,10 @@ def _run(servers: Servers, role: str, prompts: list[list[int]], c: int) -> Sweep
     client = servers.client(role)
     client.reset_prefix_cache()
     before = settled_counters(client) if role == "speculative" else None
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=max(1, min(c, len(prompts)))) as pool:
+    with gc_held(), ThreadPoolExecutor(max_workers=max(1, min(c, len(prompts)))) as pool:
+        t0 = time.perf_counter()
         done = list(pool.map(lambda p: client.complete(dict(servers.body, prompt=list(p))), prompts))
-    dur = time.perf_counter() - t0
+        dur = time.perf_counter() - t0
     delta = settled_counters(client) - before if before is not None else None
     return SweepRun(done, dur, delta)
 
@@ -279,7 +281,6 @@ def diagnose_mismatches(client: VLLMClient, model: str, pairs: dict[str, list[Pa
     """
     from eagle3.engines.http import ServerUnavailable
     from eagle3.errors import Eagle3Error
-    from eagle3.evaluate.served_measures import SERVED_TIE_GAP, first_difference
 
     out: dict[tuple[str, str, int], dict] = {}
     for name, ps in pairs.items():
