@@ -29,6 +29,8 @@
 # CPU: no decoded difference, docs/results.md 2026-12-05): SWEEP="drafter.step_weight=0.8,1.0".
 # The loss's target temperature (0.2 / 0.5 / 2 validated worse than 1 on CPU, decoded tau unchanged):
 # SWEEP="drafter.target_temperature=0.5,1".
+# Drafter depth (the width was not the lever; a second decoder layer adds attention, and both
+# engines serve it, docs/results.md 2026-12-05 tenth session): SWEEP="drafter.num_layers=1,2".
 # bench_train_compile and bench_loader (not in the default STAGES): loop.compile_drafter and loop.fused_loss timed against eager,
 # and the batches/s the training data path delivers (is it what holds the first ~1,500 steps at 2-5 steps/s?).
 # bench_train_flex (not in the default STAGES): drafter.ttt_attention=flex (block-sparse TTT attention) checked

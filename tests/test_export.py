@@ -151,10 +151,97 @@ def test_exported_aux_ids_capture_the_extraction_layers(tmp_path, family, num_la
         assert sglang_capture_rule(written, family) == [3, 30, 58]
 
 
+def _rms(x, w, eps=1e-6):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def engine_draft_step(w: dict, ids, hidden, engine: str, layers: int, arch=ARCH):
+    """One draft forward over ``ids [T]`` / fused ``hidden [T, H]`` as SGLang's or vLLM's
+    ``llama_eagle3.py`` computes it from the exported file ``w`` (written independently of
+    eagle3.train.drafter): fused residual-add norms, layer 0 on ``cat(embeds, hidden)``, a
+    later layer's input norm read from ``hidden_norm`` (SGLang) or ``input_layernorm`` (vLLM).
+    Returns (logits over the draft vocabulary [T, Vd], the pre-norm hidden state fed back [T, H])."""
+    T, nh, nkv, hd = ids.shape[0], arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+    pos = torch.arange(T, dtype=torch.float32)
+    inv = 1.0 / arch.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)
+    ang = torch.cat([pos[:, None] * inv] * 2, dim=-1)  # [T, hd]
+
+    def rope(x):  # [heads, T, hd]
+        half = torch.cat([-x[..., hd // 2:], x[..., :hd // 2]], dim=-1)
+        return x * ang.cos() + half * ang.sin()
+
+    def attn(p, x):
+        q = rope((x @ w[p + "self_attn.q_proj.weight"].T).view(T, nh, hd).transpose(0, 1))
+        k = rope((x @ w[p + "self_attn.k_proj.weight"].T).view(T, nkv, hd).transpose(0, 1))
+        v = (x @ w[p + "self_attn.v_proj.weight"].T).view(T, nkv, hd).transpose(0, 1)
+        k, v = k.repeat_interleave(nh // nkv, 0), v.repeat_interleave(nh // nkv, 0)
+        s = (q @ k.transpose(1, 2)) / hd ** 0.5 + torch.full((T, T), float("-inf")).triu(1)
+        return (s.softmax(-1) @ v).transpose(0, 1).reshape(T, nh * hd) @ w[p + "self_attn.o_proj.weight"].T
+
+    def mlp(p, x):
+        g, u = x @ w[p + "mlp.gate_proj.weight"].T, x @ w[p + "mlp.up_proj.weight"].T
+        return (torch.nn.functional.silu(g) * u) @ w[p + "mlp.down_proj.weight"].T
+
+    embeds = w["embed"][ids]
+    residual = hidden
+    x = torch.cat([_rms(embeds, w["midlayer.input_layernorm.weight"]), _rms(hidden, w["midlayer.hidden_norm.weight"])], -1)
+    residual = attn("midlayer.", x) + residual
+    out = mlp("midlayer.", _rms(residual, w["midlayer.post_attention_layernorm.weight"]))
+    for i in range(1, layers):
+        p = f"layers.{i}."
+        residual = out + residual
+        norm = w.get(p + ("hidden_norm.weight" if engine == "sglang" else "input_layernorm.weight"), torch.ones(arch.hidden_size))
+        residual = attn(p, _rms(residual, norm)) + residual
+        out = mlp(p, _rms(residual, w[p + "post_attention_layernorm.weight"]))
+    residual = out + residual
+    return _rms(residual, w["norm.weight"]) @ w["lm_head.weight"].T, residual
+
+
+@pytest.mark.parametrize("layers", [2, 3])
+def test_multi_layer_export_is_the_drafter_both_engines_compute(tmp_path, layers):
+    arch = DrafterArch(**{**ARCH.__dict__, "num_layers": layers})
+    m = trained_like_drafter(arch)
+    out = export_sglang(m, tmp_path / "e", meta_for(), dtype=torch.float32)
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        w = {k: f.get_tensor(k) for k in f.keys()}
+    later = {k for k in w if k.startswith("layers.")}
+    assert later == {f"layers.{i}.{n}" for i in range(1, layers) for n in (
+        "input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
+        "mlp.up_proj.weight", "mlp.down_proj.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight", "self_attn.o_proj.weight")}
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == layers
+    w["embed"] = m.embed_tokens.weight.detach()
+    T = 6
+    ids, aux = torch.randint(0, ARCH.vocab_size, (T,)), torch.randn(T, 3 * ARCH.target_hidden_size)
+    with torch.no_grad():
+        hidden = aux @ w["fc.weight"].T
+        got = m(ids[None], m.fuse(aux[None]), torch.arange(T)[None])
+        for engine in ("sglang", "vllm"):
+            logits, h = engine_draft_step(w, ids, hidden, engine, layers, arch)
+            torch.testing.assert_close(got.logits[0], logits, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(got.hidden_states[0], h, atol=1e-4, rtol=1e-4)
+        # without the second name SGLang would run layer 1 on a norm of ones: another drafter
+        bad = {k: v for k, v in w.items() if k != "layers.1.hidden_norm.weight"}
+        assert not torch.allclose(engine_draft_step(bad, ids, hidden, "sglang", layers, arch)[0], got.logits[0],
+                                  atol=1e-4, rtol=1e-4)
+    loaded, _ = load_sglang_export(out, m.embed_tokens.weight.detach())
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids[None], loaded.fuse(aux[None]), torch.arange(T)[None]).logits, got.logits,
+                                   atol=0, rtol=0)
+    # two copies that disagree are refused: the two engines would serve different drafters
+    w.pop("embed")
+    w["layers.1.hidden_norm.weight"] = w["layers.1.hidden_norm.weight"] * 1.5
+    from safetensors.torch import save_file
+    save_file(w, str(out / "model.safetensors"))
+    with pytest.raises(Eagle3Error, match="layers.1.input_layernorm.weight and layers.1.hidden_norm.weight differ"):
+        load_sglang_export(out)
+    del w["layers.1.hidden_norm.weight"]
+    save_file(w, str(out / "model.safetensors"))
+    with pytest.raises(Eagle3Error, match="lacks .*layers.1.hidden_norm.weight"):
+        load_sglang_export(out)
+
+
 def test_export_refusals_and_own_embeddings(tmp_path):
-    two = Eagle3Drafter(DrafterArch(**{**ARCH.__dict__, "num_layers": 2}))
-    with pytest.raises(Eagle3Error, match="exactly one decoder layer"):
-        export_sglang(two, tmp_path / "x", meta_for())
     with pytest.raises(Eagle3Error, match="aux_layer_ids"):
         export_sglang(trained_like_drafter(), tmp_path / "x", {"target": {"architecture": "llama"}})
     # a drafter narrower than the target ships its own embedding table

@@ -23,6 +23,7 @@ from eagle3.evaluate.servers import cap_warnings
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fake_sglang import FakeConfig, FakeSGLang, response_length, spec_passes, write_tiny_chat_tokenizer  # noqa: E402
+from loopback_http import QuietHandler, serve  # noqa: E402
 
 V = 512
 PATTERN = [2, 0, 3, 1]
@@ -521,3 +522,54 @@ def test_no_prompt_short_enough_for_the_servers_is_one_sentence(tokenizer_dir, s
                                           "max_new_tokens 16.*raise the servers' engine.context_length"):
         se.run_sglang_evaluation(cfg, benchmarks(), {}, tmp_path)
     assert not [b for s in (base, spec) for b in s.requests if b.get("stream")]
+
+
+class _TopLogprobs(QuietHandler):
+    """Answers SGLang's ``/generate`` with ``meta_info.output_top_logprobs`` in its shape
+    (``[[[logprob, token_id, text] x k]]``): token 6 at -0.70, token 9 at -0.82, 4 at -3.0;
+    ``mode`` "refuse" answers 400, "garbled" a top list of bare numbers."""
+
+    bodies: list = []
+    mode = "ok"
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).bodies.append(body)
+        if type(self).mode == "refuse":
+            return self.send_text(json.dumps({"error": {"message": "top_logprobs_num is not supported"}}), 400)
+        top = [[-0.70, 6, "a"], [-0.82, 9, "b"], [-3.0, 4, "c"]] if type(self).mode == "ok" else [1.0, 2.0]
+        self.send_text(json.dumps({"text": "a", "output_ids": [6],
+                                   "meta_info": {"completion_tokens": 1, "output_top_logprobs": [top]}}))
+
+
+@pytest.mark.parametrize("mode", ["ok", "refuse", "garbled"])
+def test_sglang_near_tie_test_measures_the_gap_and_never_ends_an_evaluation(tokenizer_dir, mode):
+    """The SGLang path's diagnosis on a loopback server: the gap between the two tokens'
+    log-probs (0.12 a tie, 2.30 not); a refused request or an unreadable answer leaves the
+    mismatch a changed output with the reason, and the served run warns."""
+    from transformers import AutoTokenizer
+
+    from eagle3.engines.sglang import SGLangClient
+    from eagle3.evaluate.served import _diagnose
+    from eagle3.target import render_prompt
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    rows = {"b": [{"id": "t", "messages": [{"role": "user", "content": "hi"}]},
+                  {"id": "w", "messages": [{"role": "user", "content": "yo"}]}]}
+    paired = {"b": [([_rec("t", 3, 1.0, [5, 6, 7])], [_rec("t", 3, 1.0, [5, 9, 7])]),    # 6 vs 9
+                    ([_rec("w", 3, 1.0, [5, 6, 7])], [_rec("w", 3, 1.0, [5, 4, 7])])]}   # 6 vs 4
+    _TopLogprobs.bodies, _TopLogprobs.mode = [], mode
+    with serve(_TopLogprobs) as url:
+        warnings = _diagnose(SGLangClient(url, max_retries=0), tok, rows, paired)
+    t, w = (p[0][0].diagnosis for p in paired["b"])
+    if mode == "ok":
+        assert t["logit_gap"] == pytest.approx(0.12) and t["tie"] is True
+        assert w["logit_gap"] == pytest.approx(2.30) and w["tie"] is False
+        assert warnings == []
+        # the request: the turn's prompt, then the baseline's output before the first difference
+        assert [b["input_ids"] for b in _TopLogprobs.bodies] == [
+            render_prompt(tok, rows["b"][0]["messages"]) + [5], render_prompt(tok, rows["b"][1]["messages"]) + [5]]
+    else:
+        assert t == w == {"logit_gap": None, "tie": False}
+        assert len(warnings) == 1 and warnings[0].startswith("the near-tie test of 2 greedy mismatches failed")
+        assert ("top_logprobs_num=20 failed" if mode == "refuse" else "cannot be read") in warnings[0]

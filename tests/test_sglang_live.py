@@ -278,12 +278,15 @@ OVERFIT_PROMPTS = ["What is 2+2? Answer briefly.", "Name three colours.", "Write
                    "What is the capital of France?", "Give one tip for sleeping well.", "Say hello in Spanish."]
 
 
-def test_a_drafter_overfit_on_features_the_server_captured_reaches_tau_3_served(tmp_path):
+@pytest.mark.parametrize("layers", [1, 2])
+def test_a_drafter_overfit_on_features_the_server_captured_reaches_tau_3_served(tmp_path, layers):
     """The pipeline on six prompts: ``extract.py engine=sglang`` (a capture server launched on
     ``PORT + 3`` writes the replies and returns their aux hidden states), ``train.py``
-    overfits a drafter on them, and SGLang serves its ``export/sglang`` beside a baseline
-    (``PORT + 4``, ``+ 5``): served tau from ``meta_info`` at least 3.0 at 3/1/4 on those
-    prompts (an export in the other engine's aux-id convention does not get there)."""
+    overfits a drafter of ``layers`` decoder layers on them, and SGLang serves its
+    ``export/sglang`` beside a baseline (``PORT + 4``, ``+ 5``): served tau from ``meta_info``
+    at least 3.0 at 3/1/4 on those prompts (an export in the other engine's aux-id convention
+    does not get there). Two layers: SGLang reads the later layer's norm from ``hidden_norm``
+    (:mod:`eagle3.export.sglang`)."""
     from hydra import compose as hydra_compose, initialize_config_dir
 
     from eagle3.cli import to_typed
@@ -304,7 +307,7 @@ def test_a_drafter_overfit_on_features_the_server_captured_reaches_tau_3_served(
             f"engine.port={PORT + 3}", "data=jsonl", f"data.path={data}", "data.validation_fraction=0",
             "data.test_fraction=0", f"sampling.max_new_tokens={MAX_NEW + 16}", f"output_dir={tmp_path / 'features'}"])))
         run_train(to_typed(hydra_compose("train", common + [
-            "data=jsonl", "drafter=ttt3", "device=cpu", "loop.epochs=400", "loop.save_every=100000", "loop.tracker=none",
+            "data=jsonl", "drafter=ttt3", f"drafter.num_layers={layers}", "device=cpu", "loop.epochs=400", "loop.save_every=100000", "loop.tracker=none",
             "optim.lr=3e-3", "export.speculators=false", f"features_dir={tmp_path / 'features'}",
             f"output_dir={tmp_path / 'drafter'}"])))
         cfg = to_typed(hydra_compose("evaluate", common + sglang + [f"engine.port={PORT + 4}"]))
@@ -336,7 +339,7 @@ def test_a_drafter_overfit_on_features_the_server_captured_reaches_tau_3_served(
         (same if r.output_ids == reply[:len(r.output_ids)] else other).append(r)
     tau = summarize(same, 1.0, positions=3)["acceptance_length"] if same else None
     tau_all = summarize(same + other, 1.0, positions=3)["acceptance_length"]
-    print(f"\nSGLang served tau of the overfit drafter: {tau} on the {len(same)} prompts whose served text is the "
+    print(f"\nSGLang served tau of the overfit {layers}-layer drafter: {tau} on the {len(same)} prompts whose served text is the "
           f"trained text, {tau_all:.2f} on all {len(same) + len(other)}")
     # SGLang's greedy text on a CPU depends on the server's speculative settings (bf16 near-ties:
     # the capture server drafts 1/1/2, the served one 3/1/4), so some replies part from the

@@ -428,13 +428,13 @@ def test_sampling_end_to_end_matches_the_target_distribution(topk, ndt):
 
 
 # ----------------------------------------------------------------------------- EAGLE-3 drafter
-def tiny_drafter(target, vocab_draft=48, seed=0):
+def tiny_drafter(target, vocab_draft=48, seed=0, layers=1):
     from eagle3.train.drafter import DrafterArch, Eagle3Drafter
 
     cfg = target.config
     arch = DrafterArch(
         hidden_size=cfg.hidden_size, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        intermediate_size=128, num_layers=1, target_hidden_size=cfg.hidden_size,
+        intermediate_size=128, num_layers=layers, target_hidden_size=cfg.hidden_size,
         vocab_size=cfg.vocab_size, draft_vocab_size=vocab_draft,
     )
     torch.manual_seed(seed)
@@ -474,11 +474,11 @@ class RecordingProposer:
         return out
 
 
-@pytest.mark.parametrize("topk,ndt", [(1, 4), (2, 6)])
-def test_eagle3_drafter_is_lossless_and_its_cache_matches_a_fresh_forward(target, topk, ndt):
+@pytest.mark.parametrize("topk,ndt,layers", [(1, 4, 1), (2, 6, 1), (1, 4, 2), (2, 6, 3)])
+def test_eagle3_drafter_is_lossless_and_its_cache_matches_a_fresh_forward(target, topk, ndt, layers):
     from eagle3.spec import Eagle3Proposer
 
-    drafter = tiny_drafter(target)
+    drafter = tiny_drafter(target, layers=layers)
     n = 40
     ref = greedy_reference(target, PROMPT, n)
     s, _ = SpecSettings.make(3, topk, ndt, max_new_tokens=n)

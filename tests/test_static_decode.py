@@ -171,12 +171,14 @@ def test_static_verify_and_rollback_equal_dynamic_with_partial_acceptance(target
 
 # ----------------------------------------------------------------------------- drafter
 @pytest.mark.parametrize("min_span", [None, 8])
-@pytest.mark.parametrize("steps,topk,ndt", [(3, 1, 4), (3, 2, 6)])
-def test_static_drafter_gives_the_dynamic_drafters_logits_call_by_call(target, steps, topk, ndt, min_span):
+@pytest.mark.parametrize("steps,topk,ndt,layers", [(3, 1, 4, 1), (3, 2, 6, 1), (3, 2, 6, 2)])
+def test_static_drafter_gives_the_dynamic_drafters_logits_call_by_call(target, steps, topk, ndt, layers, min_span):
     """The EAGLE-3 drafter with a forced reference (so rounds verify 1..steps+1 positions and
     the static proposer's begin sees every count) on both paths: identical tokens and counts,
-    and every begin/step returns the same logits."""
-    drafter = tiny_drafter(target)
+    and every begin/step returns the same logits (one layer, and two). The two-layer drafter
+    is seed 1's: seed 0's has a near tie at its second tree level, where logits equal to 1e-5
+    make the two paths keep different nodes."""
+    drafter = tiny_drafter(target, layers=layers, seed=layers - 1)
     n = 50
     ref = greedy_reference(target, PROMPT, n)
     s, _ = SpecSettings.make(steps, topk, ndt, max_new_tokens=n)

@@ -300,8 +300,13 @@ def test_input_checks(tmp_path):
     write_features(tmp_path / "nolabels", no_labels=True)
     with pytest.raises(Eagle3Error, match="no loss-masked"):
         train_drafter(make_cfg(tmp_path / "nolabels", tmp_path / "o3"), tgt, E)
-    with pytest.raises(Eagle3Error, match="num_layers"):
-        train_drafter(make_cfg(tmp_path / "a", tmp_path / "o2", **{"drafter.num_layers": 2}), tgt, E)
+    with pytest.raises(Eagle3Error, match="drafter.num_layers=0 must be >= 1"):
+        train_drafter(make_cfg(tmp_path / "a", tmp_path / "o2", **{"drafter.num_layers": 0}), tgt, E)
+    # two layers train and export for both engines (the export's layout: tests/test_export.py)
+    train_drafter(make_cfg(tmp_path / "a", tmp_path / "o4", **{"drafter.num_layers": 2, "loop.max_steps": 1}), tgt, E)
+    from eagle3.export import load_sglang_export, read_vllm_export
+    assert len(load_sglang_export(tmp_path / "o4" / "export" / "sglang")[0].layers) == 2
+    assert read_vllm_export(tmp_path / "o4" / "export" / "vllm").arch.num_layers == 2
 
 
 def test_hydra_multirun_gives_one_folder_per_job_and_a_summary(tmp_path):

@@ -1,17 +1,18 @@
-"""engine=vllm against real vLLM servers (slow: three servers start, 2-4 minutes each on a CPU).
+"""engine=vllm against real vLLM servers (slow: four servers start, 2-4 minutes each on a CPU).
 
 Skipped unless ``EAGLE3_VLLM_PYTHON`` names the python of a vLLM installation. The target
 is the W4A16 SmolLM2-135M-Instruct built by ``eagle3.target.resolve_target``, served with
 vLLM's real INT4 kernel. The whole pipeline runs on a few prompts: ``extract.py
 engine=vllm`` launches a capture server (``extract_hidden_states``) that writes the replies
 and captures their features, both from the INT4 kernel; the features are checked against
-the in-process capture of the same tokens; ``train.py`` overfits a drafter on them; its
-``export/vllm`` is served beside a baseline server. Checked: the served tau on those
-prompts is at least 3.0 at 3 draft tokens (a drafter fed the wrong aux layers, e.g. an
-SGLang-convention export, does not get there), speculative greedy output equals the
+the in-process capture of the same tokens; ``train.py`` overfits two drafters on them (one
+decoder layer, and two); their ``export/vllm`` folders are served beside a baseline server.
+Checked: the served tau of each on those prompts is at least 3.0 at 3 draft tokens (a
+drafter fed the wrong aux layers, e.g. an SGLang-convention export, does not get there),
+speculative greedy output equals the
 baseline's, the ``/metrics`` counters add up, and the baseline server's logit gap at a
 greedy mismatch (the lossless check's near-tie test) agrees with the in-process one. Ports ``EAGLE3_VLLM_PORT`` (default
-8180) to +2 are used.
+8180) to +3 are used.
 """
 
 from __future__ import annotations
@@ -149,57 +150,66 @@ def _check_tie_diagnosis(client, model_name: str, prompt_ids: list[int], out_ids
     assert max(abs(got[k] - ref[k]) for k in ref) < 0.5
 
 
-def _overfit_drafter(tmp_path, features: Path) -> Path:
-    """Train (overfit) a drafter on ``features``; returns its ``export/vllm`` folder."""
+def _overfit_drafter(tmp_path, features: Path, layers: int = 1) -> Path:
+    """Train (overfit) a drafter of ``layers`` decoder layers on ``features``; returns its
+    ``export/vllm`` folder."""
     from eagle3.train.run import run_train
 
+    out = tmp_path / f"drafter-{layers}"
     run_train(_compose("train", COMMON + [
-        "drafter=ttt3", "device=cpu", "loop.epochs=400", "loop.save_every=100000", "loop.tracker=none",
-        "loop.log_every=50", "optim.lr=3e-3", "export.speculators=false",
-        f"features_dir={features}", f"output_dir={tmp_path / 'drafter'}"]))
-    return tmp_path / "drafter" / "export" / "vllm"
+        "drafter=ttt3", f"drafter.num_layers={layers}", "device=cpu", "loop.epochs=400", "loop.save_every=100000",
+        "loop.tracker=none", "loop.log_every=50", "optim.lr=3e-3", "export.speculators=false",
+        f"features_dir={features}", f"output_dir={out}"]))
+    return out / "export" / "vllm"
 
 
 def test_extract_from_the_server_then_an_overfit_drafter_served_reaches_tau_3_losslessly(tmp_path, target):
+    """One baseline server and two speculative ones: a one-layer drafter (EAGLE-3's) and a
+    two-layer one (its later layer's norm read from ``input_layernorm`` by vLLM:
+    :mod:`eagle3.export.sglang`); both overfit on the same captured replies."""
     from eagle3.engines.vllm import VLLMClient
     from eagle3.target import render_prompt
 
     info, tok = target
     features = _extract_from_the_server(tmp_path)
     _check_capture_parity(features, info)
-    export = _overfit_drafter(tmp_path, features)
-    assert read_vllm_export(export).written_aux_ids == info.aux_layer_ids
+    exports = [_overfit_drafter(tmp_path, features, layers) for layers in (1, 2)]
+    for export in exports:
+        assert read_vllm_export(export).written_aux_ids == info.aux_layer_ids
+    assert read_vllm_export(exports[1]).arch.num_layers == 2
     e = VLLMEngineConfig(python=PY, port=PORT, max_num_seqs=4, launch_timeout_s=1200)
     started = []
     try:
-        for i, spec in enumerate((None, speculative_config(str(export.resolve()), 3))):  # both start at once
-            proc, _ = start_vllm(e, model_path=str(info.path), dtype="bfloat16", seed=0, port=PORT + i,
+        specs = [None] + [speculative_config(str(x.resolve()), 3) for x in exports]
+        for i, spec in enumerate(specs):  # all three start at once
+            proc, _ = start_vllm(e, model_path=str(info.path), dtype="bfloat16", seed=0, port=(PORT, PORT + 1, PORT + 3)[i],
                                  run_dir=tmp_path, name=f"s{i}", speculative=spec)
             started.append(proc)
         for proc in started:
             proc.wait_healthy(e.launch_timeout_s, e.health_poll_s)
-        base, spec = (VLLMClient(p.url) for p in started)
+        base, *served = (VLLMClient(p.url) for p in started)
         assert not spec_counters(base.metrics_text()).present
-        drafts = accepted = 0
-        for text in OVERFIT_PROMPTS:
-            body = {"model": e.served_model_name, "prompt": render_prompt(tok, [{"role": "user", "content": text}]),
-                    "max_tokens": MAX_NEW, "temperature": 0.0, "stop_token_ids": [tok.eos_token_id]}
-            a = base.complete(body)
-            before = spec_counters(spec.metrics_text())
-            b = spec.complete(body)
-            delta = spec_counters(spec.metrics_text()) - before
-            assert b.output_ids == a.output_ids
-            assert delta.present and delta.drafts > 0
-            assert delta.draft_tokens == 3 * delta.drafts
-            assert sum(delta.per_position) == delta.accepted
-            # one token from the prefill, then 1 + accepted per verify pass (max_tokens may cut the last one short)
-            assert b.completion_tokens <= 1 + delta.drafts + delta.accepted
-            assert b.completion_tokens >= delta.drafts
-            drafts += delta.drafts
-            accepted += delta.accepted
-        tau = 1 + accepted / drafts
-        print(f"\nserved tau of the overfit drafter: {tau:.2f} over {drafts} verify passes")
-        assert tau >= 3.0
+        for layers, spec in zip((1, 2), served):
+            drafts = accepted = 0
+            for text in OVERFIT_PROMPTS:
+                body = {"model": e.served_model_name, "prompt": render_prompt(tok, [{"role": "user", "content": text}]),
+                        "max_tokens": MAX_NEW, "temperature": 0.0, "stop_token_ids": [tok.eos_token_id]}
+                a = base.complete(body)
+                before = spec_counters(spec.metrics_text())
+                b = spec.complete(body)
+                delta = spec_counters(spec.metrics_text()) - before
+                assert b.output_ids == a.output_ids
+                assert delta.present and delta.drafts > 0
+                assert delta.draft_tokens == 3 * delta.drafts
+                assert sum(delta.per_position) == delta.accepted
+                # one token from the prefill, then 1 + accepted per verify pass (max_tokens may cut the last one short)
+                assert b.completion_tokens <= 1 + delta.drafts + delta.accepted
+                assert b.completion_tokens >= delta.drafts
+                drafts += delta.drafts
+                accepted += delta.accepted
+            tau = 1 + accepted / drafts
+            print(f"\nserved tau of the overfit {layers}-layer drafter: {tau:.2f} over {drafts} verify passes")
+            assert tau >= 3.0
         _check_tie_diagnosis(base, e.served_model_name, body["prompt"], a.output_ids)
     finally:
         for p in started:

@@ -59,9 +59,9 @@ def _load_drafter(export_dir, embed, device):
     export's aux ids or its convention (the aux row reports both), the same weights read in the
     export's own convention (the files are still checked by :func:`eagle3.export.read_sglang_export`)."""
     import torch
-    from safetensors import safe_open
 
     from eagle3.export import META_FILE, load_sglang_export, read_json_object, read_sglang_export
+    from eagle3.export.sglang import export_tensors
     from eagle3.export.files import export_convention
     from eagle3.train.drafter import Eagle3Drafter
 
@@ -71,11 +71,9 @@ def _load_drafter(export_dir, embed, device):
         pass  # its aux ids or convention do not suit SGLang: the aux row says so; the probe feeds what the engine captures
     exp = read_sglang_export(export_dir, convention=export_convention(read_json_object(Path(export_dir) / META_FILE)
                                                                       if (Path(export_dir) / META_FILE).exists() else {}))
-    with safe_open(str(exp.dir / "model.safetensors"), framework="pt") as f:
-        tensors = {n: f.get_tensor(k) for n, k in exp.keys.items() if n not in ("d2t", "t2d")}
     drafter = Eagle3Drafter(exp.arch)
     with torch.no_grad():
-        drafter.load_state_dict(tensors, strict=False)
+        drafter.load_state_dict(export_tensors(exp), strict=False)
         drafter.set_draft_vocab(exp.d2t, exp.t2d)
         if exp.arch.shares_target_embeddings:
             drafter.embed_tokens.weight.copy_(embed)

@@ -197,7 +197,7 @@ def _measure_together(cfg, export_meta, out_dir, tokenizer, rows, concurrency, s
                                    int(cfg.warmup_prompts), limit, cuts)
         warnings += _cut_warnings(cuts, limit, why)
         if float(cfg.temperature) == 0.0:
-            _diagnose(opened["baseline"].client, tokenizer, rows, paired)
+            warnings += _diagnose(opened["baseline"].client, tokenizer, rows, paired)
         write_request_log({}, out_dir / REQUESTS_NAME, paired=paired)  # kept if the sweep is cut short
         log.info("batch-1 pairs written to %s", out_dir / REQUESTS_NAME)
         rest = [c for c in concurrency if c != 1]  # concurrency 1 is what the pairs measured
@@ -257,15 +257,21 @@ def pairs_as_sweep(paired: dict, side: int) -> dict:
     return out
 
 
-def _diagnose(client: sg.SGLangClient, tokenizer, rows: dict, paired: dict) -> None:
+def _diagnose(client: sg.SGLangClient, tokenizer, rows: dict, paired: dict) -> list[str]:
     """Classify the greedy mismatches of the interleaved pairs (near-tie or not) while
-    the baseline server is up; stored on the pairs' first records for the results."""
+    the baseline server is up; stored on the pairs' first records for the results.
+    Returns a warning when some of the near-tie requests failed (those count as changed
+    outputs)."""
     found = {name: lossless_check(pairs)["mismatches"] for name, pairs in paired.items()}
     diagnose_mismatches(client, tokenizer, rows, paired, found)
+    failed = []
     for name, ms in found.items():
         for m in ms:
             pair = next(p for p in paired[name] if p[0] and p[0][0].sample_id == m["sample_id"])
             pair[0][m["turn"]].diagnosis = {k: m[k] for k in ("logit_gap", "tie")}
+            failed += [m["error"]] if m.get("error") else []
+    return [f"the near-tie test of {len(failed)} greedy mismatches failed, so they count as changed outputs: "
+            f"{failed[0]}"] if failed else []
 
 
 def _missing_counters(sweep: dict, server: Server, desc: dict) -> list[str]:

@@ -186,7 +186,11 @@ def diagnose_mismatches(client: sg.SGLangClient, tokenizer, rows: dict[str, list
     the first differing position, and the two tokens' log-probs are compared (the
     served analogue of :func:`eagle3.evaluate.inprocess.diagnose_mismatch`). A gap within
     :data:`SERVED_TIE_GAP` is a flip of two nearly equal logits, not a changed output.
+    A request that fails, or an answer without the two tokens' log-probs, leaves the
+    mismatch a changed output with ``error`` saying why: the diagnosis never ends an
+    evaluation (as :func:`eagle3.evaluate.served_vllm_measure.diagnose_mismatches`).
     """
+    from eagle3.errors import Eagle3Error
     from eagle3.target import render_prompt
 
     for name, ms in mismatches.items():
@@ -203,9 +207,16 @@ def diagnose_mismatches(client: sg.SGLangClient, tokenizer, rows: dict[str, list
                 if t < m["turn"]:
                     history.append({"role": "assistant", "content": tokenizer.decode(base[t].output_ids, skip_special_tokens=True)})
             ids = render_prompt(tokenizer, history) + list(b[:i])
-            out = client.generate({"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
-                                   "return_logprob": True, "top_logprobs_num": 20})
-            top = {int(e[1]): float(e[0]) for e in (out["meta_info"].get("output_top_logprobs") or [[]])[0]}
+            try:
+                out = client.generate({"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+                                       "return_logprob": True, "top_logprobs_num": 20})
+                top = {int(e[1]): float(e[0]) for e in (out["meta_info"].get("output_top_logprobs") or [[]])[0]}
+            except Eagle3Error as e:
+                m["error"] = f"the request for top_logprobs_num=20 failed ({e})"
+                continue
+            except (TypeError, ValueError, IndexError, AttributeError) as e:
+                m["error"] = f"the answer's output_top_logprobs cannot be read ({type(e).__name__}: {e})"
+                continue
             if b[i] in top and s[i] in top:
                 m["logit_gap"] = abs(top[b[i]] - top[s[i]])
                 m["tie"] = m["logit_gap"] <= SERVED_TIE_GAP

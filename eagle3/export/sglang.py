@@ -21,9 +21,15 @@ SGLang format (``<output_dir>/export/sglang/``), as read by SGLang's
   its manifest sha256, draft vocabulary size, TTT steps), which evaluation compares
   with the target it serves.
 
-SGLang loads exactly one EAGLE-3 layer as ``midlayer`` (its optional
-``additional_layers`` use another residual wiring), so only ``num_layers == 1``
-drafters are exported for it.
+Drafters of more than one layer: layer 0 stays ``midlayer.*`` and layer ``i >= 1`` is
+``layers.{i}.*``. Both engines run layers after the first as pre-norm Llama layers with the
+residual stream carried across layers, but read their pre-attention norm from different
+names: SGLang from ``layers.{i}.hidden_norm.weight`` (its ``LlamaDecoderLayer.forward``,
+non-input layers), vLLM from ``layers.{i}.input_layernorm.weight``
+(``vllm/model_executor/models/llama_eagle3.py``); each loads the other name into a module it
+leaves unused. So the export writes the drafter's one norm under both names, and reading it
+back refuses a file whose two copies differ. Checked against SGLang 0.5.23 (CPU) and vLLM
+0.32 servers (``docs/results.md``).
 
 Reading an export back checks every file first (:mod:`eagle3.export.validate`), so a
 damaged export is refused in one sentence naming the file and the field. The vLLM
@@ -44,7 +50,7 @@ from safetensors.torch import save_file
 from eagle3.train.drafter import DrafterArch, Eagle3Drafter
 from eagle3.errors import Eagle3Error
 from eagle3.export.files import CONVENTION_FIELD, CONVENTIONS, META_FILE, dtype_name, staging_dir, write_json
-from eagle3.export.validate import SGLANG_ARCHITECTURE, WEIGHTS_FILE, read_sglang_export
+from eagle3.export.validate import SGLANG_ARCHITECTURE, WEIGHTS_FILE, SGLangExport, engine_norm_alias, read_sglang_export
 from eagle3.io import replace_dir
 from eagle3.target import from_sglang_ids, to_engine_ids
 
@@ -108,6 +114,9 @@ def sglang_state_dict(drafter: Eagle3Drafter, dtype: torch.dtype) -> dict[str, t
             name = "midlayer." + name[len("layers.0.") :]
         t = t.detach().cpu()
         out[name] = (t.to(dtype) if t.is_floating_point() else t).contiguous()
+        alias = engine_norm_alias(name)
+        if alias is not None:
+            out[alias] = out[name].clone()
     return out
 
 
@@ -136,7 +145,8 @@ def write_eagle3_export(drafter: Eagle3Drafter, out_dir: str | os.PathLike, meta
     (and, for vLLM, no ``d2t`` / ``t2d`` when the draft vocabulary is the target's whole one).
 
     Args:
-        drafter: a one-layer :class:`~eagle3.train.drafter.Eagle3Drafter`.
+        drafter: an :class:`~eagle3.train.drafter.Eagle3Drafter` (any number of layers;
+            see the module docstring for how layers after the first are named).
         meta: provenance (see :data:`META_FILE`); must hold ``aux_layer_ids`` (HF
             convention, 3 ids) and ``target.architecture`` (``llama`` |
             ``deepseek_v2``), which decide the ids written in ``config.json``.
@@ -147,7 +157,7 @@ def write_eagle3_export(drafter: Eagle3Drafter, out_dir: str | os.PathLike, meta
         ``out_dir`` as a Path.
 
     Raises:
-        Eagle3Error: more than one layer, missing aux ids/architecture, an unknown
+        Eagle3Error: missing aux ids/architecture, an unknown
             convention, ids that SGLang cannot express for that architecture, or (vLLM) a
             full-size draft vocabulary in another order than the target's.
     """
@@ -155,11 +165,6 @@ def write_eagle3_export(drafter: Eagle3Drafter, out_dir: str | os.PathLike, meta
     arch = drafter.arch
     if convention not in CONVENTIONS:
         raise Eagle3Error(f"no export is known for engine '{convention}'; use one of {list(CONVENTIONS)}")
-    if arch.num_layers != 1:
-        raise Eagle3Error(
-            f"{convention} loads EAGLE-3 drafters with exactly one decoder layer; this one has {arch.num_layers} "
-            f"(set drafter.num_layers=1, or export.{convention}=false)"
-        )
     aux = meta.get("aux_layer_ids")
     family = (meta.get("target") or {}).get("architecture")
     if not aux or len(aux) != 3 or not family:
@@ -192,6 +197,28 @@ def export_sglang(drafter: Eagle3Drafter, out_dir: str | os.PathLike, meta: dict
     return write_eagle3_export(drafter, out_dir, meta, "sglang", dtype)
 
 
+def export_tensors(exp: SGLangExport) -> dict[str, torch.Tensor]:
+    """The weights of a checked export, by the drafter's state-dict names (no ``d2t`` / ``t2d``,
+    no engine alias: :func:`eagle3.export.validate.engine_norm_alias`).
+
+    Raises:
+        Eagle3Error: the file cannot be read, or a later layer's two norm copies differ
+            (SGLang and vLLM would then serve different drafters).
+    """
+    d = exp.dir
+    try:
+        with safe_open(str(d / WEIGHTS_FILE), framework="pt") as f:
+            tensors = {name: f.get_tensor(key) for name, key in exp.keys.items() if name not in ("d2t", "t2d")}
+    except (SafetensorError, OSError) as e:
+        raise Eagle3Error(f"{d / WEIGHTS_FILE} cannot be read ({e}); copy or re-export the drafter") from None
+    for name in [n for n in tensors if engine_norm_alias(n)]:
+        alias = tensors.pop(engine_norm_alias(name))
+        if not torch.equal(alias, tensors[name]):
+            raise Eagle3Error(f"{d / WEIGHTS_FILE}: {exp.keys[name]} and {engine_norm_alias(name)} differ, so SGLang "
+                              "and vLLM would serve different drafters; re-export the drafter")
+    return tensors
+
+
 def load_sglang_export(export_dir: str | os.PathLike, embed_tokens: Optional[torch.Tensor] = None,
                        device: str | torch.device = "cpu",
                        dtype: Optional[torch.dtype] = None) -> tuple[Eagle3Drafter, dict]:
@@ -222,19 +249,13 @@ def load_sglang_export(export_dir: str | os.PathLike, embed_tokens: Optional[tor
         Eagle3Error: missing or damaged files (JSON that does not parse, missing or
             non-numeric sizes, missing/extra/misshapen tensors, an unreadable safetensors
             file), a config that is not EAGLE-3, a ``d2t`` that is not a valid offset map,
-            aux ids that do not round-trip, or an export for vLLM; one sentence naming the
-            file and the field (or the right export folder).
+            aux ids that do not round-trip, an export for vLLM, or a later layer's two
+            copies of its norm that differ; one sentence naming the file and the field (or
+            the right export folder).
     """
     exp = read_sglang_export(export_dir)
     d, arch, meta = exp.dir, exp.arch, exp.meta
-    tensors = {}
-    try:
-        with safe_open(str(d / WEIGHTS_FILE), framework="pt") as f:
-            for name, key in exp.keys.items():
-                if name not in ("d2t", "t2d"):
-                    tensors[name] = f.get_tensor(key)
-    except (SafetensorError, OSError) as e:
-        raise Eagle3Error(f"{d / WEIGHTS_FILE} cannot be read ({e}); copy or re-export the drafter") from None
+    tensors = export_tensors(exp)
     drafter = Eagle3Drafter(arch)
     with torch.no_grad():
         drafter.load_state_dict(tensors, strict=False)

@@ -181,10 +181,25 @@ def drafter_name(key: str) -> str:
     return "layers.0." + name[len("midlayer."):] if name.startswith("midlayer.") else name
 
 
+def engine_norm_alias(name: str) -> Optional[str]:
+    """The second name SGLang reads a later layer's pre-attention norm from, or None.
+
+    ``layers.{i}.input_layernorm.weight`` (``i >= 1``) -> ``layers.{i}.hidden_norm.weight``:
+    SGLang's ``llama_eagle3.py`` normalises the input of a non-input layer with
+    ``hidden_norm``, vLLM's with ``input_layernorm`` (:mod:`eagle3.export.sglang`'s docstring).
+    """
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "layers" and parts[1].isdigit() and int(parts[1]) >= 1 \
+            and parts[2:] == ["input_layernorm", "weight"]:
+        return f"layers.{parts[1]}.hidden_norm.weight"
+    return None
+
+
 def expected_shapes(arch: DrafterArch) -> dict[str, tuple[int, ...]]:
     """Drafter state-dict name -> shape of every tensor an SGLang export of ``arch``
     carries (``embed_tokens.weight`` only when ``H != H_target``; ``t2d`` included,
-    though optional). Built on the meta device: nothing is allocated.
+    though optional; for layers after the first, the second name of the pre-attention
+    norm, :func:`engine_norm_alias`). Built on the meta device: nothing is allocated.
 
     Raises:
         Eagle3Error: the sizes do not make a drafter.
@@ -194,8 +209,10 @@ def expected_shapes(arch: DrafterArch) -> dict[str, tuple[int, ...]]:
             sd = Eagle3Drafter(arch).state_dict()
     except (ValueError, RuntimeError) as e:
         raise Eagle3Error(f"the sizes in {CONFIG_FILE} do not make an EAGLE-3 drafter ({e}); re-export the drafter") from None
-    return {k: tuple(t.shape) for k, t in sd.items() if not k.startswith("rotary_emb.")
-            and not (k == "embed_tokens.weight" and arch.shares_target_embeddings)}
+    out = {k: tuple(t.shape) for k, t in sd.items() if not k.startswith("rotary_emb.")
+           and not (k == "embed_tokens.weight" and arch.shares_target_embeddings)}
+    out.update({engine_norm_alias(k): shape for k, shape in out.items() if engine_norm_alias(k)})
+    return out
 
 
 def _read_header(path: Path) -> dict[str, tuple[list[int], str]]:

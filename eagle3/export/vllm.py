@@ -33,14 +33,14 @@ def export_vllm(drafter: Eagle3Drafter, out_dir: str | os.PathLike, meta: dict,
     aux ids (:func:`eagle3.export.sglang.write_eagle3_export`, ``convention="vllm"``).
 
     Args:
-        drafter: a one-layer drafter. meta: provenance with ``aux_layer_ids`` (3 HF ids)
+        drafter: the drafter (any number of layers). meta: provenance with ``aux_layer_ids`` (3 HF ids)
             and ``target.architecture``. dtype: weight dtype on disk (vLLM serves bf16).
 
     Returns:
         ``out_dir`` as a Path.
 
     Raises:
-        Eagle3Error: more than one layer, or missing aux ids / architecture.
+        Eagle3Error: missing aux ids / architecture.
     """
     return write_eagle3_export(drafter, out_dir, meta, "vllm", dtype)
 

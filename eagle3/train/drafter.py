@@ -46,7 +46,8 @@ class DrafterArch:
         hidden_size: drafter width ``H``.
         num_attention_heads, num_key_value_heads, head_dim: attention shape (GQA).
         intermediate_size: SwiGLU width.
-        num_layers: decoder layers (1 in EAGLE-3 and in SGLang's loader).
+        num_layers: decoder layers (1 in EAGLE-3; SGLang's and vLLM's loaders take more,
+            see :mod:`eagle3.export.sglang`).
         target_hidden_size: ``H_target``; ``fc`` maps ``3*H_target -> H``.
         vocab_size: the target's vocabulary ``V`` (embedding rows, ``t2d`` length).
         draft_vocab_size: ``Vd``, rows of ``lm_head``.

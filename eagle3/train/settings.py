@@ -75,19 +75,11 @@ def check_settings(cfg: Any) -> None:
     same output folder).
 
     Raises:
-        Eagle3Error: naming the one setting that is wrong (see :func:`_bad_setting`), or an
-            SGLang export of a drafter with more than one layer (SGLang serves one-layer
-            EAGLE-3 drafters).
+        Eagle3Error: naming the one setting that is wrong (see :func:`_bad_setting`).
     """
     problem = _bad_setting(cfg)
     if problem:
         raise Eagle3Error(f"{problem}; fix that setting")
-    dcfg = cfg.drafter
-    if cfg.export.sglang and dcfg.num_layers != 1:
-        raise Eagle3Error(
-            f"drafter.num_layers={dcfg.num_layers}: SGLang serves one-layer EAGLE-3 drafters; "
-            "set drafter.num_layers=1 or export.sglang=false"
-        )
 
 
 def check_device_settings(cfg: Any, device: torch.device) -> None:
