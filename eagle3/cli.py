@@ -14,8 +14,51 @@ from eagle3.errors import Eagle3Error
 log = logging.getLogger("eagle3")
 
 
+def unknown_keys(cfg: DictConfig, prefix: str = "") -> list[tuple[str, list[str]]]:
+    """Keys of ``cfg`` that its schema does not have, with the schema's keys at that level.
+
+    A ``+key=value`` override adds a key Hydra's struct mode would otherwise refuse, and
+    ``OmegaConf.to_object`` then sets it on the dataclass as a stray attribute that nothing
+    reads: a misspelt setting (``+loop.max_step=5``) would be ignored without a word.
+    Nodes typed by a dataclass of :mod:`eagle3.config` are checked; plain dicts are free-form.
+
+    Returns:
+        ``[(dotted key, [the keys allowed beside it]), ...]`` in the order met.
+    """
+    import dataclasses
+
+    kind = OmegaConf.get_type(cfg)
+    if not dataclasses.is_dataclass(kind):
+        return []
+    allowed = [f.name for f in dataclasses.fields(kind) if f.name != "defaults"]
+    out: list[tuple[str, list[str]]] = []
+    for key in cfg.keys():
+        if key not in allowed and key != "defaults":
+            out.append((f"{prefix}{key}", allowed))
+            continue
+        node = cfg._get_node(key)
+        if isinstance(node, DictConfig) and not node._is_none() and not node._is_missing():
+            out += unknown_keys(node, f"{prefix}{key}.")
+    return out
+
+
 def to_typed(cfg: DictConfig) -> Any:
-    """Hydra's composed config -> the typed dataclass tree of :mod:`eagle3.config`."""
+    """Hydra's composed config -> the typed dataclass tree of :mod:`eagle3.config`.
+
+    Raises:
+        Eagle3Error: a key the schema does not have (:func:`unknown_keys`), named with the
+            nearest allowed one.
+    """
+    import difflib
+
+    bad = unknown_keys(cfg)
+    if bad:
+        key, allowed = bad[0]
+        leaf, parent = key.rsplit(".", 1)[-1], key.rpartition(".")[0]
+        near = difflib.get_close_matches(leaf, allowed, n=1)
+        hint = f"did you mean {parent + '.' if parent else ''}{near[0]}?" if near else (
+            f"the settings there are {', '.join(allowed)}")
+        raise Eagle3Error(f"'{key}' is not a setting of this stage (a '+' override adds keys nothing reads); {hint}")
     return OmegaConf.to_object(cfg)
 
 

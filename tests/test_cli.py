@@ -47,6 +47,40 @@ def test_an_unknown_choice_is_one_line_and_exit_code_2(script, override, names):
         assert name in err
 
 
+def _compose(stage, overrides):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name=stage, overrides=overrides)
+
+
+def test_a_key_the_schema_lacks_is_refused_with_the_nearest_setting():
+    from eagle3.cli import to_typed, unknown_keys
+    from eagle3.errors import Eagle3Error
+
+    cfg = _compose("train", ["+loop.max_step=5", "+nosuchkey=1"])
+    assert [k for k, _ in unknown_keys(cfg)] == ["loop.max_step", "nosuchkey"]
+    with pytest.raises(Eagle3Error, match=r"^'loop.max_step' is not a setting of this stage .*did you mean loop.max_steps\?$"):
+        to_typed(cfg)
+    with pytest.raises(Eagle3Error, match="'nosuchkey' is not a setting .*the settings there are model, data, drafter"):
+        to_typed(_compose("train", ["+nosuchkey=1"]))
+    with pytest.raises(Eagle3Error, match="'engine' is not a setting"):  # train.py has no engine
+        to_typed(_compose("train", ["+engine.extra_args=[--x]"]))
+    # '+' on a list the schema has is a value, not a key; free-form dicts are not checked
+    typed = to_typed(_compose("evaluate", ["engine=sglang", "+engine.extra_args=[--x]"]))
+    assert typed.engine.extra_args == ["--x"] and unknown_keys(_compose("evaluate", [])) == []
+    for stage in ("extract", "train", "evaluate"):
+        assert unknown_keys(_compose(stage, [])) == [], stage
+
+
+def test_a_misspelt_plus_override_is_one_line_and_exit_code_2():
+    r = subprocess.run([sys.executable, "train.py", "+loop.max_step=5"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr == ("error: 'loop.max_step' is not a setting of this stage (a '+' override adds keys nothing "
+                        "reads); did you mean loop.max_steps?\n")
+
+
 def test_an_output_dir_override_naming_a_file_is_found(tmp_path):
     from eagle3.cli import output_dir_override_problem
 
