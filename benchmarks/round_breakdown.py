@@ -33,6 +33,7 @@ def main(argv=None) -> dict:
 
     ap = target_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     ap.add_argument("--draft-vocab", type=int, default=32000)
+    ap.add_argument("--drafter-layers", type=int, default=1, help="the drafter's decoder layers (drafter.num_layers)")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--cache-slots", type=int, default=None,
@@ -44,7 +45,7 @@ def main(argv=None) -> dict:
                        ("cpu" if a.device == "auto" else a.device))
     target = _target(a, dev, getattr(torch, a.dtype))
     aux_ids = _aux_ids(target.config.num_hidden_layers)
-    drafter = _drafter(target, a.draft_vocab, dev, getattr(torch, a.dtype))
+    drafter = _drafter(target, a.draft_vocab, dev, getattr(torch, a.dtype), a.drafter_layers)
     P, max_len = a.prompt_len, a.cache_slots or a.prompt_len + 64
     span = a.min_span or None
     runner = StaticTargetRunner(target, aux_ids, max_len=max_len, min_span=span)
@@ -99,6 +100,7 @@ def main(argv=None) -> dict:
             out[name] = {"queued_ms": queued, "synced_ms": synced}
     print(f"\n{torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}, {a.dtype}, "
           f"{target.config.num_hidden_layers} layers, prompt {P}, draft vocab {drafter.arch.draft_vocab_size}, "
+          f"drafter layers {drafter.arch.num_layers}, "
           f"CUDA graphs {runner.cuda_graphs}, {a.iters} calls each, {max_len} cache slots, "
           f"attention over {runner.cache.span} of them")
     print(f"{'call':34s} {'queued ms':>10s} {'synced ms':>10s}")

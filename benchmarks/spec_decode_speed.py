@@ -64,7 +64,7 @@ def _target(args, device, dtype):
     return model.to(device).eval()
 
 
-def _drafter(target, draft_vocab: int, device, dtype):
+def _drafter(target, draft_vocab: int, device, dtype, layers: int = 1):
     from eagle3.train.drafter import DrafterArch, Eagle3Drafter
 
     c = target.config
@@ -72,7 +72,7 @@ def _drafter(target, draft_vocab: int, device, dtype):
     arch = DrafterArch(hidden_size=c.hidden_size, num_attention_heads=heads,
                        num_key_value_heads=c.num_key_value_heads,
                        head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
-                       intermediate_size=c.intermediate_size, num_layers=1, target_hidden_size=c.hidden_size,
+                       intermediate_size=c.intermediate_size, num_layers=layers, target_hidden_size=c.hidden_size,
                        vocab_size=c.vocab_size, draft_vocab_size=min(draft_vocab, c.vocab_size))
     torch.manual_seed(1)
     d = Eagle3Drafter(arch)
@@ -113,6 +113,7 @@ def main(argv=None) -> dict:
 
     ap = target_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     ap.add_argument("--draft-vocab", type=int, default=32000)
+    ap.add_argument("--drafter-layers", type=int, default=1, help="the drafter's decoder layers (drafter.num_layers)")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=4)
@@ -143,7 +144,7 @@ def main(argv=None) -> dict:
     target = _target(args, device, dtype)
     L = target.config.num_hidden_layers
     aux = _aux_ids(L)
-    drafter = _drafter(target, args.draft_vocab, device, dtype)
+    drafter = _drafter(target, args.draft_vocab, device, dtype, args.drafter_layers)
     s, _ = SpecSettings.make(args.steps, args.topk, args.draft_tokens, max_new_tokens=args.new_tokens)
     max_len = args.cache_slots or args.prompt_len + args.new_tokens + s.num_draft_tokens + s.num_steps * s.topk
     graphs = None if not args.no_graphs else False
