@@ -292,3 +292,55 @@ def test_speculators_export_loads_in_speculators_with_same_logits(tmp_path):
         ours = rounded(x, rounded.fuse(aux), torch.arange(T)[None]).logits
     # speculators' default flex attention (unfused on CPU) sums in another order
     torch.testing.assert_close(captured[0], ours, atol=1e-4, rtol=1e-4)
+
+
+def test_hand_edited_multi_layer_exports_are_refused_before_any_weight_loads(tmp_path):
+    """What the readers without weights (served evaluation, the doctor) must refuse, each in one
+    sentence: differing or non-finite norm copies, 'model.' prefixes an engine would not read,
+    a layer count that disagrees with config.json, a missing layer count (the engines' default
+    is 32), and config flags only some engines act on."""
+    from safetensors.torch import load_file, save_file
+
+    from eagle3.export import export_vllm, read_sglang_export, read_vllm_export
+    from eagle3.export.validate import engine_norm_alias
+
+    assert engine_norm_alias("layers.1.input_layernorm.weight") == "layers.1.hidden_norm.weight"
+    for name in ("layers.0.input_layernorm.weight", "layers.\u00b2.input_layernorm.weight",
+                 "layers.1.input_layernorm.bias", "midlayer.input_layernorm.weight"):
+        assert engine_norm_alias(name) is None, name
+    m = trained_like_drafter(DrafterArch(**{**ARCH.__dict__, "num_layers": 2}))
+
+    def edited(reader, export, tensors=None, config=None):
+        out = export(m, tmp_path / "e", meta_for())
+        w = load_file(str(out / "model.safetensors"))
+        save_file(tensors(w) if tensors else w, str(out / "model.safetensors"))
+        cfg = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps(config(cfg) if config else cfg))
+        return lambda: reader(out)
+
+    def scaled(w, k="layers.1.hidden_norm.weight", by=2.0):
+        return {**w, k: w[k] * by}
+
+    for reader, export in ((read_sglang_export, export_sglang), (read_vllm_export, export_vllm)):
+        edited(reader, export)()  # as written: accepted
+        with pytest.raises(Eagle3Error, match="input_layernorm.weight and layers.1.hidden_norm.weight differ"):
+            edited(reader, export, scaled)()
+        with pytest.raises(Eagle3Error, match="hold NaN or inf"):
+            edited(reader, export, lambda w: scaled(scaled(w, by=float("nan")), "layers.1.input_layernorm.weight",
+                                                    float("nan")))()
+        with pytest.raises(Eagle3Error, match=r"holds decoder layers \[0, 1\] but config.json has num_hidden_layers=200"):
+            edited(reader, export, config=lambda c: {**c, "num_hidden_layers": 200})()
+        with pytest.raises(Eagle3Error, match="lacks the field 'num_hidden_layers'"):
+            edited(reader, export, config=lambda c: {k: v for k, v in c.items() if k != "num_hidden_layers"})()
+        for flag, value in (("norm_before_residual", True), ("logit_scale", 2.0), ("fc_norm", True)):
+            with pytest.raises(Eagle3Error, match=f"sets {flag}={value}, which this project's drafter does not compute"):
+                edited(reader, export, config=lambda c: {**c, flag: value})()
+        edited(reader, export, config=lambda c: {**c, "logit_scale": 1.0, "norm_output": False})()
+    # 'model.' prefixes: vLLM adds its own (model.model.* fails to load); SGLang skips model.lm_head silently
+    prefixed = lambda w: {("model." + k if k.startswith("layers.1.") else k): v for k, v in w.items()}  # noqa: E731
+    with pytest.raises(Eagle3Error, match=r"model.layers.1.\S+ has a 'model.' prefix \(vLLM's loader"):
+        edited(read_vllm_export, export_vllm, prefixed)()
+    edited(read_sglang_export, export_sglang, prefixed)()  # SGLang finds model.layers.1.* in its parameters
+    with pytest.raises(Eagle3Error, match="model.lm_head.weight has a 'model.' prefix .*name it lm_head.weight"):
+        edited(read_sglang_export, export_sglang, lambda w: {("model." + k if k == "lm_head.weight" else k): v
+                                                             for k, v in w.items()})()

@@ -198,12 +198,12 @@ def export_sglang(drafter: Eagle3Drafter, out_dir: str | os.PathLike, meta: dict
 
 
 def export_tensors(exp: SGLangExport) -> dict[str, torch.Tensor]:
-    """The weights of a checked export, by the drafter's state-dict names (no ``d2t`` / ``t2d``,
-    no engine alias: :func:`eagle3.export.validate.engine_norm_alias`).
+    """The weights of a checked export (:func:`eagle3.export.validate.read_sglang_export`, which
+    also checked that a later layer's two norm copies agree), by the drafter's state-dict names:
+    no ``d2t`` / ``t2d``, no engine alias (:func:`eagle3.export.validate.engine_norm_alias`).
 
     Raises:
-        Eagle3Error: the file cannot be read, or a later layer's two norm copies differ
-            (SGLang and vLLM would then serve different drafters).
+        Eagle3Error: the file cannot be read.
     """
     d = exp.dir
     try:
@@ -212,10 +212,7 @@ def export_tensors(exp: SGLangExport) -> dict[str, torch.Tensor]:
     except (SafetensorError, OSError) as e:
         raise Eagle3Error(f"{d / WEIGHTS_FILE} cannot be read ({e}); copy or re-export the drafter") from None
     for name in [n for n in tensors if engine_norm_alias(n)]:
-        alias = tensors.pop(engine_norm_alias(name))
-        if not torch.equal(alias, tensors[name]):
-            raise Eagle3Error(f"{d / WEIGHTS_FILE}: {exp.keys[name]} and {engine_norm_alias(name)} differ, so SGLang "
-                              "and vLLM would serve different drafters; re-export the drafter")
+        tensors.pop(engine_norm_alias(name))  # equal to tensors[name]: read_sglang_export checked it
     return tensors
 
 

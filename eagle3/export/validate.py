@@ -44,6 +44,9 @@ _SHAPE_FIELDS = (
     ("mlp.", ("intermediate_size", "hidden_size")),
 )
 _FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
+# config.json flags one or both engines' llama_eagle3.py act on (vLLM: norm_before_residual, logit_scale;
+# SGLang: use_aux_norm; both: fc_norm, norm_before_fc, norm_output)
+ENGINE_ONLY_FLAGS = ("norm_before_residual", "use_aux_norm", "fc_norm", "norm_before_fc", "norm_output", "logit_scale")
 _INT_DTYPES = {"I64", "I32", "I16", "I8", "U8", "U16", "U32", "U64"}
 
 
@@ -138,7 +141,7 @@ def arch_from_sglang_config(cfg: dict, path: str = CONFIG_FILE) -> DrafterArch:
         num_key_value_heads=_size(cfg, "num_key_value_heads", path, heads),
         head_dim=_size(cfg, "head_dim", path, max(H // heads, 1)),
         intermediate_size=_size(cfg, "intermediate_size", path),
-        num_layers=_size(cfg, "num_hidden_layers", path, 1),
+        num_layers=_size(cfg, "num_hidden_layers", path),  # required: both engines' LlamaConfig default is 32
         target_hidden_size=_size(cfg, "target_hidden_size", path, H),
         vocab_size=V, draft_vocab_size=_size(cfg, "draft_vocab_size", path, V),
         rms_norm_eps=_size(cfg, "rms_norm_eps", path, 1e-6, float),
@@ -169,6 +172,11 @@ def _check_config_and_meta(d: Path, cfg: dict, meta: dict) -> None:
     _check_ids_field(meta.get("aux_layer_ids"), f"{d / META_FILE} field 'aux_layer_ids'")
     if meta.get("target") is not None and not isinstance(meta["target"], dict):
         raise Eagle3Error(f"{d / META_FILE} field 'target' is {meta['target']!r}, not an object; re-export the drafter")
+    for key in ENGINE_ONLY_FLAGS:  # each changes the forward in one engine or both; the drafter here has none
+        v = cfg.get(key, (eagle or {}).get(key))
+        if v not in (None, False, 1.0 if key == "logit_scale" else False):
+            raise Eagle3Error(f"{d / CONFIG_FILE} sets {key}={v!r}, which this project's drafter does not compute "
+                              "(and SGLang and vLLM do not all read); remove it or re-export the drafter")
     if (cfg.get("torch_dtype") or "bfloat16") not in DTYPES:
         raise Eagle3Error(f"{d / CONFIG_FILE} field 'torch_dtype' is {cfg.get('torch_dtype')!r}, not one of "
                           f"{sorted(DTYPES)}; re-export the drafter")
@@ -189,7 +197,7 @@ def engine_norm_alias(name: str) -> Optional[str]:
     ``hidden_norm``, vLLM's with ``input_layernorm`` (:mod:`eagle3.export.sglang`'s docstring).
     """
     parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "layers" and parts[1].isdigit() and int(parts[1]) >= 1 \
+    if len(parts) == 4 and parts[0] == "layers" and parts[1].isascii() and parts[1].isdecimal() and int(parts[1]) >= 1 \
             and parts[2:] == ["input_layernorm", "weight"]:
         return f"layers.{parts[1]}.hidden_norm.weight"
     return None
@@ -225,7 +233,8 @@ def _read_header(path: Path) -> dict[str, tuple[list[int], str]]:
                           "re-export the drafter") from None
 
 
-def check_weights(path: Path, header: dict[str, tuple[list[int], str]], arch: DrafterArch) -> dict[str, str]:
+def check_weights(path: Path, header: dict[str, tuple[list[int], str]], arch: DrafterArch,
+                  convention: str = "sglang") -> dict[str, str]:
     """Check every tensor of an SGLang ``model.safetensors`` against ``arch``.
 
     Args:
@@ -239,22 +248,38 @@ def check_weights(path: Path, header: dict[str, tuple[list[int], str]], arch: Dr
     Returns:
         Drafter state-dict name -> file key.
 
+    Args (further):
+        convention: the engine it is read for; a ``model.``-prefixed key is refused for vLLM
+            (whose loader adds the prefix itself) and for SGLang's ``lm_head`` (skipped silently).
+
     Raises:
-        Eagle3Error: a tensor missing, unexpected or twice present, of another shape than
-            the config's sizes imply, or of a wrong kind (``d2t`` not integer, a weight not floating).
+        Eagle3Error: a tensor missing, unexpected or twice present, decoder layers other than
+            ``0 .. num_hidden_layers - 1``, a ``model.`` prefix the engine does not read, of
+            another shape than the config's sizes imply, or of a wrong kind (``d2t`` not
+            integer, a weight not floating).
     """
     keys: dict[str, str] = {}
     for k in header:
         name = drafter_name(k)
         if name in keys:
             raise Eagle3Error(f"{path} holds both {keys[name]} and {k}; re-export the drafter")
+        if k != name and not k.startswith("midlayer.") and (convention == "vllm" or name.startswith("lm_head.")):
+            why = ("vLLM's loader prefixes 'model.' itself and refuses 'model.model.'" if convention == "vllm"
+                   else "SGLang's loader skips it without a word, leaving the draft head unloaded")
+            raise Eagle3Error(f"{path}: {k} has a 'model.' prefix ({why}); name it {_export_key(name)} and re-export")
         keys[name] = k
+    held = sorted({int(n.split(".")[1]) for n in keys if n.startswith("layers.") and n.split(".")[1].isdecimal()})
+    if held != list(range(arch.num_layers)):
+        shown = f"{held[:8]}{' ...' if len(held) > 8 else ''}"
+        raise Eagle3Error(f"{path} holds decoder layers {shown} but {CONFIG_FILE} has num_hidden_layers="
+                          f"{arch.num_layers}; the two files come from different exports: re-export the drafter")
     want = expected_shapes(arch)
     optional = {"t2d"} | ({"d2t"} if arch.draft_vocab_size == arch.vocab_size else set())  # vLLM's full-vocab form
     missing = sorted(_export_key(n) for n in set(want) - set(keys) - optional)
     extra = sorted(keys[n] for n in set(keys) - set(want))
     if missing or extra:
-        raise Eagle3Error(f"{path} lacks {missing} and has unexpected {extra} for the sizes in {CONFIG_FILE}; "
+        raise Eagle3Error(f"{path} lacks {missing[:8]}{' ...' if len(missing) > 8 else ''} and has unexpected "
+                          f"{extra[:8]}{' ...' if len(extra) > 8 else ''} for the sizes in {CONFIG_FILE}; "
                           "re-export the drafter")
     for name, shape in sorted(want.items(), key=lambda kv: kv[0] in ("d2t", "t2d")):  # weights first
         if name not in keys:
@@ -336,7 +361,9 @@ def read_sglang_export(export_dir, convention: str = "sglang") -> SGLangExport:
 
     Raises:
         Eagle3Error: a missing file, an export for the other engine (naming the right
-            folder), or anything the checks refuse, in one sentence naming the file and the field.
+            folder), a config flag only some engines act on (:data:`ENGINE_ONLY_FLAGS`), a
+            later layer's two norm copies that differ or are not finite, or anything the
+            checks refuse, in one sentence naming the file and the field.
     """
     d = Path(export_dir)
     for f in (CONFIG_FILE, WEIGHTS_FILE):
@@ -347,11 +374,19 @@ def read_sglang_export(export_dir, convention: str = "sglang") -> SGLangExport:
     check_convention(d, meta, convention)
     arch = arch_from_sglang_config(cfg, str(d / CONFIG_FILE))
     _check_config_and_meta(d, cfg, meta)
-    keys = check_weights(d / WEIGHTS_FILE, _read_header(d / WEIGHTS_FILE), arch)
+    keys = check_weights(d / WEIGHTS_FILE, _read_header(d / WEIGHTS_FILE), arch, convention)
     try:
         with safe_open(str(d / WEIGHTS_FILE), framework="pt") as f:
             d2t = f.get_tensor(keys["d2t"]) if "d2t" in keys else torch.zeros(arch.draft_vocab_size, dtype=torch.int64)
             stored = f.get_tensor(keys["t2d"]) if "t2d" in keys else None
+            for name in [n for n in keys if engine_norm_alias(n)]:  # a later layer's two norm copies
+                a, b = (f.get_tensor(keys[n]).float() for n in (name, engine_norm_alias(name)))
+                finite = bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())
+                if not (finite and torch.equal(a, b)):
+                    raise Eagle3Error(f"{d / WEIGHTS_FILE}: {keys[name]} and {keys[engine_norm_alias(name)]} "
+                                      f"{'differ' if finite else 'hold NaN or inf'}, so SGLang (which reads the "
+                                      "second) and vLLM (the first) would not serve the drafter trained; "
+                                      "re-export the drafter")
     except (SafetensorError, OSError) as e:
         raise Eagle3Error(f"{d / WEIGHTS_FILE} cannot be read ({e}); copy or re-export the drafter") from None
     t2d = check_vocab_maps(d2t, stored, arch.vocab_size, d / WEIGHTS_FILE)
