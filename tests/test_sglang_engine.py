@@ -569,3 +569,21 @@ def test_server_env_sources_the_script_then_applies_engine_env(tmp_path, monkeyp
     assert sg.server_env(engine_cfg()) is None
     with pytest.raises(Eagle3Error, match="engine.env_script"):
         sg.server_env(engine_cfg(env_script=str(script)))  # ${1:?usage} fails without its argument
+
+
+def test_free_port_count_gives_a_run_of_ports_that_all_bind():
+    """Evaluation launches two servers on port and port + 1; the helper's run must bind
+    whole, even while the port just above an OS-picked one is held by someone else."""
+    import socket
+
+    for count in (1, 2, 3):
+        first = sg.free_port(count=count)
+        socks = []
+        try:
+            for k in range(count):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind(("127.0.0.1", first + k))  # raises if any port of the run is taken
+        finally:
+            for s in socks:
+                s.close()

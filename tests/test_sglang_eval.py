@@ -252,7 +252,7 @@ def test_servers_are_launched_when_no_urls(tokenizer_dir, tmp_path, monkeypatch)
 
     cfg = make_cfg(tokenizer_dir, None, None, concurrency=(2,))
     cfg.engine.python = sys.executable
-    cfg.engine.port = free_port()
+    cfg.engine.port = free_port(count=2)  # baseline on port, speculative on port + 1
     cfg.engine.health_poll_s = 0.1
     cfg.engine.device = "cpu"
     cfg.drafter_dir = str(export)

@@ -159,12 +159,37 @@ def server_env(engine_cfg: Any) -> dict | None:
     return env
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that is free now (the OS picks it; it may be taken again
-    before a server binds it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def free_port(host: str = "127.0.0.1", count: int = 1) -> int:
+    """The first of ``count`` consecutive TCP ports on ``host`` that are all free now.
+
+    Evaluation launches the baseline on ``port`` and the speculative server on
+    ``port + 1``, so a caller that needs both asks for ``count=2``. The OS picks the
+    first port; the run is checked by binding every port of it at once. A port may be
+    taken again before a server binds it.
+
+    Raises:
+        OSError: no such run was found in 64 tries.
+    """
+    for _ in range(64):
+        socks: list[socket.socket] = []
+        try:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(s)
+            s.bind((host, 0))
+            first = s.getsockname()[1]
+            if first + count - 1 > 65535:
+                continue
+            for k in range(1, count):
+                t = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(t)
+                t.bind((host, first + k))
+            return first
+        except OSError:
+            continue
+        finally:
+            for t in socks:
+                t.close()
+    raise OSError(f"no {count} consecutive free TCP ports found on {host}")
 
 
 def launch_server(
