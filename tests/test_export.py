@@ -244,6 +244,10 @@ def test_multi_layer_export_is_the_drafter_both_engines_compute(tmp_path, layers
 def test_export_refusals_and_own_embeddings(tmp_path):
     with pytest.raises(Eagle3Error, match="aux_layer_ids"):
         export_sglang(trained_like_drafter(), tmp_path / "x", {"target": {"architecture": "llama"}})
+    # a weight dtype no engine loads is refused before anything is written (no staging folder left)
+    with pytest.raises(Eagle3Error, match="torch.bfloat16, torch.float16, torch.float32, not torch.int8"):
+        export_sglang(trained_like_drafter(), tmp_path / "i8", meta_for(), dtype=torch.int8)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
     # a drafter narrower than the target ships its own embedding table
     narrow = Eagle3Drafter(DrafterArch(**{**ARCH.__dict__, "hidden_size": 16, "head_dim": 4}))
     out = export_sglang(narrow, tmp_path / "n", meta_for())
@@ -252,6 +256,14 @@ def test_export_refusals_and_own_embeddings(tmp_path):
         assert f.get_slice("fc.weight").get_shape() == [16, 96]
     loaded, _ = load_sglang_export(out)
     assert torch.equal(loaded.embed_tokens.weight, narrow.embed_tokens.weight.bfloat16())
+    # a NaN in an ordinary weight is named, not loaded (an engine would serve it)
+    from safetensors.torch import load_file, save_file
+
+    w = load_file(str(out / "model.safetensors"))
+    w["midlayer.mlp.down_proj.weight"][0, 0] = float("nan")
+    save_file(w, str(out / "model.safetensors"))
+    with pytest.raises(Eagle3Error, match=r"midlayer\.mlp\.down_proj\.weight hold NaN or infinity"):
+        load_sglang_export(out)
     # a broken export is refused with the difference named
     (out / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     with pytest.raises(Eagle3Error, match="LlamaForCausalLMEagle3"):

@@ -49,7 +49,7 @@ from safetensors.torch import save_file
 
 from eagle3.train.drafter import DrafterArch, Eagle3Drafter
 from eagle3.errors import Eagle3Error
-from eagle3.export.files import CONVENTION_FIELD, CONVENTIONS, META_FILE, dtype_name, staging_dir, write_json
+from eagle3.export.files import CONVENTION_FIELD, CONVENTIONS, DTYPES, META_FILE, dtype_name, staging_dir, write_json
 from eagle3.export.validate import SGLANG_ARCHITECTURE, WEIGHTS_FILE, SGLangExport, engine_norm_alias, read_sglang_export
 from eagle3.io import replace_dir
 from eagle3.target import from_sglang_ids, to_engine_ids
@@ -159,10 +159,15 @@ def write_eagle3_export(drafter: Eagle3Drafter, out_dir: str | os.PathLike, meta
     Raises:
         Eagle3Error: missing aux ids/architecture, an unknown
             convention, ids that SGLang cannot express for that architecture, or (vLLM) a
-            full-size draft vocabulary in another order than the target's.
+            full-size draft vocabulary in another order than the target's, or a ``dtype``
+            that is not one of :data:`~eagle3.export.files.DTYPES` (checked before anything
+            is written).
     """
     out = Path(out_dir)
     arch = drafter.arch
+    if dtype not in DTYPES.values():
+        names = ", ".join(f"torch.{n}" for n in DTYPES)
+        raise Eagle3Error(f"an export's weights are written as one of {names}, not {dtype}; pass one of those")
     if convention not in CONVENTIONS:
         raise Eagle3Error(f"no export is known for engine '{convention}'; use one of {list(CONVENTIONS)}")
     aux = meta.get("aux_layer_ids")
@@ -246,13 +251,19 @@ def load_sglang_export(export_dir: str | os.PathLike, embed_tokens: Optional[tor
         Eagle3Error: missing or damaged files (JSON that does not parse, missing or
             non-numeric sizes, missing/extra/misshapen tensors, an unreadable safetensors
             file), a config that is not EAGLE-3, a ``d2t`` that is not a valid offset map,
-            aux ids that do not round-trip, an export for vLLM, or a later layer's two
-            copies of its norm that differ; one sentence naming the file and the field (or
-            the right export folder).
+            aux ids that do not round-trip, an export for vLLM, a later layer's two
+            copies of its norm that differ, or a weight holding NaN or infinity (an
+            engine would serve it without a word); one sentence naming the file and the
+            field (or the right export folder).
     """
     exp = read_sglang_export(export_dir)
     d, arch, meta = exp.dir, exp.arch, exp.meta
     tensors = export_tensors(exp)
+    with safe_open(str(d / WEIGHTS_FILE), framework="pt") as f:  # named as in the file
+        bad = [k for k in f.keys() if (t := f.get_tensor(k)).is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise Eagle3Error(f"{d / WEIGHTS_FILE}: {', '.join(sorted(bad)[:8])} hold NaN or infinity; "
+                          "re-export the drafter from a checkpoint whose weights are finite")
     drafter = Eagle3Drafter(arch)
     with torch.no_grad():
         drafter.load_state_dict(tensors, strict=False)
