@@ -280,3 +280,28 @@ def test_a_prompt_file_without_a_usable_conversation_says_so(tmp_path, source, t
     with pytest.raises(Eagle3Error) as e:
         load_conversations(DataConfig(name="c", source=source, path=str(p)))
     assert str(e.value) == expected.format(p=p)
+
+
+def test_prompt_datasets_are_fingerprinted_from_their_rows_not_by_pickling(tmp_path, monkeypatch):
+    """datasets' own fingerprint pickles the arrow table with dill, which fails under Python
+    3.12 with pyarrow 26 ("Can't pickle <class 'MonthDayNano'>"); the prompt datasets carry a
+    sha256 of their rows instead, so that pickling path is never taken."""
+    import hashlib
+
+    import datasets.arrow_dataset
+
+    def refuse(*a, **k):
+        raise AssertionError("datasets' dill fingerprint was computed")
+
+    monkeypatch.setattr(datasets.arrow_dataset, "generate_fingerprint", refuse)
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"id": "a", "messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    cfg = DataConfig(source="jsonl", path=str(path), validation_fraction=0.0, test_fraction=0.0)
+    ds = load_conversations(cfg)
+    rows = {"id": ["a"], "messages": [[{"role": "user", "content": "hi"}]], "split": ["train"]}
+    blob = json.dumps(rows, sort_keys=True, ensure_ascii=False).encode()
+    assert ds._fingerprint == hashlib.sha256(blob).hexdigest()[:16]
+    assert ds.to_dict() == rows
+    assert len(select_for_extraction(ds, ["train"], 1)) == 1
+    b = load_benchmark("humaneval", BenchmarksConfig(limit=2))
+    assert len(b) == 2 and b[0]["messages"][0]["role"] == "user"

@@ -13,6 +13,7 @@ validation, else train. The test split never reaches training.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections import Counter
 from pathlib import Path
@@ -24,6 +25,22 @@ from eagle3.errors import Eagle3Error
 from eagle3.prompts.sources import _gsm8k_records, _humaneval_records, _mtbench_records, _records
 
 SPLITS = ("train", "validation", "test")
+
+
+def dataset_of(rows: dict[str, list], features: datasets.Features) -> datasets.Dataset:
+    """``rows`` (column name -> list) as a ``datasets.Dataset`` whose fingerprint is the
+    sha256 of the rows themselves (16 hex digits).
+
+    ``Dataset.from_dict`` fingerprints a new table by pickling it with dill; with
+    Python 3.12, dill 0.4 and pyarrow 26 that walks into pyarrow's own module and fails
+    ("Can't pickle <class 'MonthDayNano'>"), which stopped every extraction on a GPU
+    host with that Python. The content hash is also stable across runs, which dill's
+    is not guaranteed to be.
+    """
+    blob = json.dumps(rows, sort_keys=True, ensure_ascii=False).encode()
+    table = datasets.table.InMemoryTable.from_pydict(features.encode_batch(rows), schema=features.arrow_schema)
+    return datasets.Dataset(table, info=datasets.DatasetInfo(features=features),
+                            fingerprint=hashlib.sha256(blob).hexdigest()[:16])
 FEATURES = datasets.Features(
     {
         "id": datasets.Value("string"),
@@ -81,7 +98,7 @@ def load_conversations(data_cfg, stats: Optional[dict] = None) -> datasets.Datas
         counts[f"split_{s}"] = rows["split"].count(s)
     if stats is not None:
         stats.update(dict(counts))
-    return datasets.Dataset.from_dict(rows, features=FEATURES)
+    return dataset_of(rows, FEATURES)
 
 
 def select_for_extraction(ds: datasets.Dataset, splits, limit: Optional[int], offset: int = 0) -> datasets.Dataset:
@@ -191,9 +208,9 @@ def load_benchmark(name: str, bench_cfg, train_manifest: Optional[dict] = None,
         stats.update(left_out=total - len(rows), held_out=len(rows))
     if limit is not None:
         rows = rows[: int(limit)]
-    return datasets.Dataset.from_dict(
+    return dataset_of(
         {"id": [r[0] for r in rows], "messages": [r[1] for r in rows], "category": [r[2] for r in rows]},
-        features=datasets.Features(
+        datasets.Features(
             {
                 "id": datasets.Value("string"),
                 "messages": [{"role": datasets.Value("string"), "content": datasets.Value("string")}],
