@@ -18,8 +18,10 @@ def main(cfg):
 
 
 if __name__ == "__main__":
-    from eagle3.cli import exit_on_bad_output_dir
+    from eagle3.cli import exit_on_bad_output_dir, exit_on_unknown_key
+    from eagle3.config import ExtractConfig
 
     exit_on_unknown_choice(CONF, "extract")
+    exit_on_unknown_key(ExtractConfig, CONF, "extract")
     exit_on_bad_output_dir()
     main()

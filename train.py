@@ -16,8 +16,11 @@ def main(cfg):
 if __name__ == "__main__":
     from pathlib import Path
 
-    from eagle3.cli import exit_on_bad_output_dir, exit_on_unknown_choice
+    from eagle3.cli import exit_on_bad_output_dir, exit_on_unknown_choice, exit_on_unknown_key
+    from eagle3.config import TrainConfig
 
-    exit_on_unknown_choice(Path(__file__).resolve().parent / "conf", "train")
+    conf = Path(__file__).resolve().parent / "conf"
+    exit_on_unknown_choice(conf, "train")
+    exit_on_unknown_key(TrainConfig, conf, "train")
     exit_on_bad_output_dir()
     main()

@@ -156,6 +156,53 @@ def exit_on_unknown_choice(conf_dir: Path, config_name: str, argv: Optional[Sequ
         sys.exit(2)
 
 
+def unknown_override_key(overrides: Sequence[str], schema: type, groups: Sequence[str] = ()) -> Optional[str]:
+    """One sentence naming a plain ``key=value`` override whose key ``schema`` lacks, or None.
+
+    Hydra refuses such a key in several lines and suggests ``+key=value``, which adds a
+    key nothing reads (:func:`to_typed` then refuses it). The key is checked along the
+    dataclass fields of ``schema``; below a field that is no dataclass (``engine: Any``,
+    whose schema depends on the engine chosen, dicts, lists) it is left to Hydra, as are
+    ``+``/``++``/``~`` overrides, ``hydra.*`` and ``group/option`` keys and the config ``groups``.
+    """
+    import dataclasses
+    import difflib
+    import typing
+
+    for ov in overrides:
+        key, sep, _ = ov.partition("=")
+        key = key.strip()
+        if not sep or not key or key[0] in "+~" or "@" in key or "/" in key or key.split(".")[0] == "hydra" or key in groups:
+            continue
+        kind, seen = schema, []
+        for part in key.split("."):
+            fields = {f.name: f for f in dataclasses.fields(kind) if f.name != "defaults"}
+            if part not in fields:
+                near = difflib.get_close_matches(part, list(fields), n=1)
+                where = ".".join(seen)
+                hint = (f"did you mean {where + '.' if where else ''}{near[0]}?" if near
+                        else f"the settings there are {', '.join(fields)}")
+                return f"'{key}' is not a setting of this stage; {hint}"
+            seen.append(part)
+            hint_type = typing.get_type_hints(kind).get(part)
+            args = [a for a in typing.get_args(hint_type) if a is not type(None)]  # Optional[X] -> X
+            kind = args[0] if len(args) == 1 else hint_type
+            if not dataclasses.is_dataclass(kind):
+                break
+    return None
+
+
+def exit_on_unknown_key(schema: type, conf_dir: Path, config_name: str, argv: Optional[Sequence[str]] = None) -> None:
+    """Before Hydra starts: exit with code 2 and one line on stderr when the command line
+    (``argv``, default ``sys.argv[1:]``) sets a key that ``schema`` does not have
+    (:func:`unknown_override_key`)."""
+    overrides = list(sys.argv[1:] if argv is None else argv)
+    problem = unknown_override_key(overrides, schema, config_groups(conf_dir, config_name))
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
+
+
 def output_dir_problem(path: str | Path) -> Optional[str]:
     """One sentence when the folder ``path`` cannot be created or used because it, or a
     folder above it, is an existing file (not a folder); None otherwise."""

@@ -1,4 +1,4 @@
-"""The entry points' command-line checks: an unknown config choice, an output_dir that is a file: one line and exit code 2, before Hydra runs."""
+"""The entry points' command-line checks: an unknown config choice or key, an output_dir that is a file: one line and exit code 2, before Hydra runs."""
 
 import subprocess
 import sys
@@ -79,6 +79,48 @@ def test_a_misspelt_plus_override_is_one_line_and_exit_code_2():
     assert r.returncode == 2, r.stderr
     assert r.stderr == ("error: 'loop.max_step' is not a setting of this stage (a '+' override adds keys nothing "
                         "reads); did you mean loop.max_steps?\n")
+
+
+def _leaf_keys(node, prefix=""):
+    from omegaconf import DictConfig
+
+    for k in node.keys():
+        child = node._get_node(k)
+        if isinstance(child, DictConfig) and not child._is_none() and not child._is_missing():
+            yield from _leaf_keys(child, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}"
+
+
+@pytest.mark.parametrize("stage", ["extract", "train", "evaluate"])
+def test_a_plain_override_of_a_key_the_schema_lacks_is_named_before_hydra_runs(stage):
+    """Every key of the composed config passes (no false refusal, engine keys and groups
+    included); a misspelt one is named with the nearest setting, at any depth."""
+    from eagle3.cli import unknown_override_key
+    from eagle3.config import EvaluateConfig, ExtractConfig, TrainConfig
+
+    schema = {"extract": ExtractConfig, "train": TrainConfig, "evaluate": EvaluateConfig}[stage]
+    groups = config_groups(CONF, stage)
+    keys = list(_leaf_keys(_compose(stage, [])))
+    assert len(keys) > 20
+    assert unknown_override_key([f"{k}=1" for k in keys] + [f"{g}=x" for g in groups], schema, groups) is None
+    assert unknown_override_key(["+loop.max_step=5", "~x", "hydra/job_logging=disabled", "hydra.verbose=true",
+                                 "-m", "--cfg"], schema, groups) is None
+    engine = unknown_override_key(["engine.no_such_engine_key=1"], schema, groups)  # its schema is the engine chosen
+    assert engine is None if stage != "train" else engine.startswith("'engine.no_such_engine_key' is not a setting")
+    assert unknown_override_key(["data.limt=3"], schema, groups) == (
+        "'data.limt' is not a setting of this stage; did you mean data.limit?")
+    assert unknown_override_key(["seed=1", "sead=2"], schema, groups) == (
+        "'sead' is not a setting of this stage; did you mean seed?")
+    assert unknown_override_key(["zzz=1"], schema, groups).startswith(
+        "'zzz' is not a setting of this stage; the settings there are model, ")
+
+
+def test_a_misspelt_plain_override_is_one_line_and_exit_code_2():
+    r = subprocess.run([sys.executable, "train.py", "drafter.num_layer=2"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr == "error: 'drafter.num_layer' is not a setting of this stage; did you mean drafter.num_layers?\n"
 
 
 def test_an_output_dir_override_naming_a_file_is_found(tmp_path):
