@@ -270,8 +270,12 @@ def test_export_refusals_and_own_embeddings(tmp_path):
         load_sglang_export(out)
 
 
-def test_speculators_export_loads_in_speculators_with_same_logits(tmp_path):
-    pytest.importorskip("speculators")
+@pytest.mark.parametrize("layers", [1, 2])
+def test_speculators_export_loads_in_speculators_with_same_logits(tmp_path, layers):
+    from eagle3.export.speculators import speculators_available
+
+    if not speculators_available():
+        pytest.skip("speculators is not installed (.ci/run installs it)")
     from transformers import LlamaConfig, LlamaForCausalLM
     from speculators.models.eagle3 import Eagle3DraftModel
 
@@ -280,7 +284,8 @@ def test_speculators_export_loads_in_speculators_with_same_logits(tmp_path):
                                           num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
                                           tie_word_embeddings=False))
     target.save_pretrained(tmp_path / "target")
-    m = trained_like_drafter()
+    arch = DrafterArch(**{**ARCH.__dict__, "num_layers": layers})
+    m = trained_like_drafter(arch)
     with torch.no_grad():
         m.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
     meta = meta_for()
@@ -297,7 +302,8 @@ def test_speculators_export_loads_in_speculators_with_same_logits(tmp_path):
     T = 8
     x = torch.randint(0, 96, (1, T))
     aux = torch.randn(1, T, 96)
-    rounded = trained_like_drafter().to(torch.bfloat16).float()
+    assert cfg["transformer_layer_config"]["num_hidden_layers"] == layers
+    rounded = trained_like_drafter(arch).to(torch.bfloat16).float()
     with torch.no_grad():
         rounded.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
         ref(aux, x, document_ids=torch.zeros(1, T, dtype=torch.long), ttt_steps=1)

@@ -357,3 +357,24 @@ def test_the_cpu_main_job_recipe_is_the_h200_recipes_lr_and_ttt_and_keeps_the_de
     assert (cpu.optim.lr, cpu.drafter.ttt_steps) == (h200.optim.lr, h200.drafter.ttt_steps) == (1e-3, 3)
     assert (default.optim.lr, default.drafter.ttt_steps, default.loop.epochs) == (1e-4, 7, 1)
     assert cpu.loop.epochs == 10 and cpu.loop.max_tokens_per_batch == default.loop.max_tokens_per_batch
+
+
+def test_the_speculators_export_is_written_where_it_fits_and_skipped_with_a_warning_where_not(tmp_path, caplog):
+    """With speculators installed, a drafter of the target's width is also exported in its
+    format; a narrower one (own embedding table, which that format cannot hold) still gets
+    its SGLang and vLLM exports and the run finishes, with the reason logged."""
+    from eagle3.export.speculators import speculators_available
+
+    if not speculators_available():
+        pytest.skip("speculators is not installed (.ci/run installs it)")
+    write_features(tmp_path / "f", n=20)
+    tgt, E = tiny_target(), embed()
+    over = {"loop.max_steps": 1, "export.speculators": True}
+    train_drafter(make_cfg(tmp_path / "f", tmp_path / "a", **over), tgt, E)
+    assert sorted(p.name for p in (tmp_path / "a" / "export").iterdir()) == ["sglang", "speculators", "vllm"]
+    narrow = {**over, "drafter.hidden_size": H // 2, "drafter.head_dim": 4}
+    with caplog.at_level("WARNING", logger="eagle3"):
+        out = train_drafter(make_cfg(tmp_path / "f", tmp_path / "b", **narrow), tgt, E)
+    assert out["step"] == 1
+    assert sorted(p.name for p in (tmp_path / "b" / "export").iterdir()) == ["sglang", "vllm"]
+    assert "export/speculators skipped: the speculators format needs hidden_size == the target's" in caplog.text

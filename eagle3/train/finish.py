@@ -191,12 +191,15 @@ def _export(run: Run, final: Eagle3Drafter, meta: dict) -> dict[str, str]:
         from eagle3.export import export_speculators, speculators_available
 
         if speculators_available():
-            exports["speculators"] = str(
-                export_speculators(final, run.output_dir / "export" / "speculators", meta, run.cfg.drafter.ttt_steps))
+            try:  # the SGLang and vLLM exports are written: a drafter this format cannot hold costs only this one
+                exports["speculators"] = str(export_speculators(
+                    final, run.output_dir / "export" / "speculators", meta, run.cfg.drafter.ttt_steps))
+            except Eagle3Error as e:
+                log.warning("export/speculators skipped: %s", e)
         else:
             log.info("speculators is not installed: skipping export/speculators (on a CPU machine install it with "
-                     "pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0 pydantic-settings python-dotenv; "
-                     "a plain install pulls a CUDA torch)")
+                     "pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0 pydantic-settings python-dotenv "
+                     "openai httpx2 sniffio; a plain install pulls a CUDA torch)")
     return exports
 
 
