@@ -41,6 +41,8 @@ def dataset_of(rows: dict[str, list], features: datasets.Features) -> datasets.D
     table = datasets.table.InMemoryTable.from_pydict(features.encode_batch(rows), schema=features.arrow_schema)
     return datasets.Dataset(table, info=datasets.DatasetInfo(features=features),
                             fingerprint=hashlib.sha256(blob).hexdigest()[:16])
+
+
 FEATURES = datasets.Features(
     {
         "id": datasets.Value("string"),
