@@ -330,3 +330,21 @@ def test_damaged_export_exits_2_with_one_line(tmp_path, tok_dir, fake_servers, c
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: {export}/config.json is not valid JSON (")
     assert not (tmp_path / "eval" / "report.json").exists()
+
+
+def test_training_folders_named_in_another_order_are_not_changed_manifests():
+    """The recorded hashes pair with folders by name, not by position: naming the training
+    folders in another order (or moved elsewhere) is no change; a changed one quotes its own
+    recorded hash, and a folder trained on by none is said to be none of them."""
+    from eagle3.evaluate.provenance import _changed_manifest
+
+    meta = {"features_dir": ["/run/w/f-sg", "/run/w/f-gsm8k"], "features_manifest_sha256": ["a" * 64, "b" * 64]}
+    assert _changed_manifest(meta, "/elsewhere/f-gsm8k", "b" * 64) is None
+    assert _changed_manifest(meta, "/elsewhere/f-sg", "a" * 64) is None
+    assert _changed_manifest(meta, "/elsewhere/f-sg", "c" * 64) == (
+        f"changed since the drafter was trained on it (sha256 {'a' * 12}… recorded, {'c' * 12}… now)")
+    assert _changed_manifest(meta, "/elsewhere/f-he", "c" * 64) == (
+        f"is none of the 2 the drafter was trained on (its sha256 {'c' * 12}… is not recorded)")
+    one = {"features_dir": "/run/f", "features_manifest_sha256": "a" * 64}  # an export of one folder
+    assert _changed_manifest(one, "/other/g", "c" * 64).startswith(f"changed since the drafter was trained on it (sha256 {'a' * 12}")
+    assert _changed_manifest({}, "/run/f", "c" * 64) is None  # nothing recorded: nothing to compare

@@ -206,14 +206,33 @@ def check_aux_ids(export, manifest: Optional[dict], architecture: str) -> list[s
                 f"drafter from its training run with aux_layer_ids {list(ids)}, or retrain it on features of the "
                 "layers you want"
             )
-    recorded = meta.get("features_manifest_sha256")
-    recorded = recorded if isinstance(recorded, list) else [recorded] * len(feats)
-    for f, want in zip(feats, recorded):
-        if want and want != f["manifest_sha256"]:
-            warnings.append(f"the features manifest in {f['dir']} changed since the drafter was trained on it "
-                            f"(sha256 {str(want)[:12]}… recorded, {f['manifest_sha256'][:12]}… now); its aux layer "
-                            "and held-out checks use the current manifest")
+    for f in feats:
+        changed = _changed_manifest(meta, f["dir"], f["manifest_sha256"])
+        if changed:
+            warnings.append(f"the features manifest in {f['dir']} {changed}; its aux layer and held-out checks use "
+                            "the current manifest")
     return warnings
+
+
+def _changed_manifest(meta: dict, folder, now: str) -> Optional[str]:
+    """How the manifest of ``folder`` (sha256 ``now``) differs from those recorded at training, or None.
+
+    ``eagle3_meta.json`` records one sha256 per training folder (``features_manifest_sha256``,
+    in the order of ``features_dir``). A manifest among them is unchanged whatever order the
+    folders are named in now; otherwise the recorded hash of the folder of the same name (or
+    the only one recorded) is quoted.
+    """
+    hashes, dirs = meta.get("features_manifest_sha256"), meta.get("features_dir")
+    hashes = hashes if isinstance(hashes, list) else [hashes]
+    dirs = dirs if isinstance(dirs, list) else str(dirs or "").split(",")
+    known = [h for h in hashes if h]
+    if not known or now in known:
+        return None
+    by_name = {Path(str(d)).name: h for d, h in zip(dirs, hashes)} if len(dirs) == len(hashes) else {}
+    want = by_name.get(Path(str(folder)).name) or (known[0] if len(known) == 1 else None)
+    if want:
+        return f"changed since the drafter was trained on it (sha256 {str(want)[:12]}… recorded, {now[:12]}… now)"
+    return f"is none of the {len(known)} the drafter was trained on (its sha256 {now[:12]}… is not recorded)"
 
 
 def _engine_ids(hf_ids: list[int], engine: str, architecture: str) -> str:
