@@ -43,6 +43,7 @@ from tqdm import tqdm
 from eagle3.target import end_of_turn_ids
 from eagle3.engines.base import Engine
 from eagle3.engines.hf.batch_decode import cut_after_stop
+from eagle3.engines.hf.oom import run_in_batches
 from eagle3.errors import Eagle3Error
 from eagle3.features import Capture, rank_top_k
 from eagle3.devices import resolve_device
@@ -252,7 +253,8 @@ class HFEngine(Engine):
         """Batched generation (see :meth:`Engine.generate`): batches of at most
         ``engine.generate_batch_size`` prompts and 8 x ``engine.max_batch_tokens`` padded
         prompt + new tokens (the KV cache), longest first, seeded with ``sampling.seed``
-        per call when sampling."""
+        per call when sampling. On CUDA out-of-memory the limits are halved and the prompts
+        not yet generated are planned again (:func:`eagle3.engines.hf.oom.run_in_batches`)."""
         if not prompts:
             return []
         do_sample = float(sampling.temperature) > 0
@@ -261,13 +263,15 @@ class HFEngine(Engine):
             torch.manual_seed(int(sampling.seed))
         lengths = [len(p) for p in prompts]
         out: list[Optional[list[int]]] = [None] * len(prompts)
-        budget = GENERATE_TOKEN_FACTOR * self.batch["max_batch_tokens"]  # prompt + new tokens per batch
-        batches = _batches(lengths, self.batch["generate_batch_size"], budget, int(sampling.max_new_tokens))
-        # a CPU batch of long prompts takes minutes: show it (terminals only; leaves no line behind)
-        for idx in tqdm(batches, desc="generate", unit="batch", leave=False, disable=None if len(batches) > 1 else True,
-                        file=sys.stderr):
+
+        def plan(ls: list[int]) -> list[list[int]]:
+            budget = GENERATE_TOKEN_FACTOR * self.batch["max_batch_tokens"]  # prompt + new tokens per batch
+            return _batches(ls, self.batch["generate_batch_size"], budget, int(sampling.max_new_tokens))
+
+        def run(idx: list[int]) -> None:
+            budget = GENERATE_TOKEN_FACTOR * self.batch["max_batch_tokens"]
             if self.graph_generate and self._graphed(idx, prompts, sampling, budget, out):
-                continue
+                return
             ids, mask = left_pad([prompts[i] for i in idx], self.pad_id,
                                  STATIC_WIDTH_MULTIPLE if self.static_generate else 1)
             width = ids.shape[1]
@@ -278,6 +282,15 @@ class HFEngine(Engine):
             new = gen[:, width:].tolist()
             for r, i in enumerate(idx):
                 out[i] = cut_after_stop(new[r], self.stop_ids)
+
+        def drop_decoder() -> None:  # its KV cache was sized from the old budget
+            self._batch_decoder = None
+
+        # a CPU batch of long prompts takes minutes: show it (terminals only; leaves no line behind)
+        run_in_batches(self.batch, ("generate_batch_size", "max_batch_tokens"), lengths, plan, run, "generate",
+                       on_shrink=drop_decoder,
+                       progress=lambda b: tqdm(b, desc="generate", unit="batch", leave=False,
+                                               disable=None if len(b) > 1 else True, file=sys.stderr))
         return out  # type: ignore[return-value]
 
     def _graphed(self, idx: list[int], prompts: list[list[int]], sampling, budget: int,
@@ -322,7 +335,8 @@ class HFEngine(Engine):
     def capture(self, sequences: list[list[int]], top_k: int) -> list[Capture]:
         """Batched capture (see :meth:`Engine.capture`): batches of at most
         ``engine.capture_batch_size`` sequences and ``engine.max_batch_tokens`` padded
-        tokens, longest first, right-padded."""
+        tokens, longest first, right-padded; on CUDA out-of-memory the limits are halved and
+        the sequences not yet captured are planned again (:mod:`eagle3.engines.hf.oom`)."""
         if any(len(s) == 0 for s in sequences):
             raise Eagle3Error("cannot capture an empty token sequence")
         V = self.target.vocab_size
@@ -331,7 +345,8 @@ class HFEngine(Engine):
         lengths = [len(s) for s in sequences]
         out: list[Optional[Capture]] = [None] * len(sequences)
         chunk = max(1, LOGITS_CHUNK_BYTES // (4 * V))
-        for idx in _batches(lengths, self.batch["capture_batch_size"], self.batch["max_batch_tokens"]):
+
+        def run(idx: list[int]) -> None:
             ids, mask, pos = right_pad([sequences[i] for i in idx], self.pad_id)
             store: dict[int, torch.Tensor] = {}
             with self._aux_hooks(store):
@@ -358,6 +373,10 @@ class HFEngine(Engine):
                 n = lengths[i]
                 out[i] = Capture(aux[start : start + n], top_ids[start : start + n], top_lp[start : start + n])
                 start += n
+
+        run_in_batches(self.batch, ("capture_batch_size", "max_batch_tokens"), lengths,
+                       lambda ls: _batches(ls, self.batch["capture_batch_size"], self.batch["max_batch_tokens"]),
+                       run, "capture")
         return out  # type: ignore[return-value]
 
     def close(self) -> None:
