@@ -51,6 +51,9 @@
 # in HUMANEVAL_SEEDS (0 = greedy, others sampled at SAMPLED_TEMPERATURE) into $RUN/features-humaneval-s<seed>.
 # Measured at full size (docs/results.md, 2026-12-05): HumanEval tau 2.35 on the held-out half, the other
 # benchmarks unchanged; worth its 2.5% of the generated tokens.
+# GPU memory: each ShareGPT replica (engine.max_batch_tokens=32768) holds about 14.5 GB; 14 replicas of several
+# extractions at once fit one H200 but not an 80 GB H100 (docs/results.md, thirteenth session). A replica that runs
+# out of memory halves its batch limits and goes on (eagle3/engines/hf/oom.py); fewer replicas run faster than that.
 # A time-boxed GPU: DEADLINE=<epoch seconds> caps training with loop.time_limit_min so that
 # EVAL_RESERVE seconds (default 300) are left, and stops evaluation at the deadline.
 set -euo pipefail
