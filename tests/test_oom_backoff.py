@@ -95,7 +95,8 @@ def test_out_of_memory_that_halving_cannot_cure_is_a_clear_error():
 
     with pytest.raises(Eagle3Error, match=r"capture ran out of GPU memory on a batch of 1 item\(s\) \(longest 900 tokens\) "
                                           r"even at capture_batch_size=1, max_batch_tokens=1024, after 6 halvings: run fewer "
-                                          r"replicas on this GPU"):
+                                          r"replicas on this GPU \(parallel.workers, or other jobs\), or lower "
+                                          r"capture.max_length \(CUDA out of memory\)"):
         run_in_batches(limits, ("capture_batch_size", "max_batch_tokens"), [900], lambda ls: [[0]], run, "capture")
     assert MAX_HALVINGS == 6 and limits == {"capture_batch_size": 1, "max_batch_tokens": 1024}
 
@@ -108,3 +109,25 @@ def test_other_errors_are_not_taken_for_memory():
     with pytest.raises(RuntimeError, match="device-side assert"):
         run_in_batches(limits, ("rows",), [1, 1], lambda ls: [[0, 1]], run, "work")
     assert limits == {"rows": 4}
+
+
+def test_the_failed_batch_is_freed_before_the_cache_is_given_back():
+    """What the failed batch allocated is referenced by the error's traceback; the limits are
+    halved (and the CUDA cache emptied) only once that is gone, or nothing would be freed."""
+    import weakref
+
+    class Tensor:  # stands in for a batch's activations
+        pass
+
+    alive: list = []
+
+    def run(idx):
+        if not alive:
+            activations = Tensor()
+            alive.append(weakref.ref(activations))
+            raise torch.OutOfMemoryError("CUDA out of memory")
+
+    freed_at_shrink: list[bool] = []
+    run_in_batches({"rows": 2}, ("rows",), [1, 1], lambda ls: [list(range(len(ls)))], run, "work",
+                   on_shrink=lambda: freed_at_shrink.append(alive[0]() is None))
+    assert freed_at_shrink == [True]

@@ -62,21 +62,24 @@ def run_in_batches(limits: dict, keys: tuple[str, ...], lengths: list[int],
                     done[i] = True
             return
         except torch.OutOfMemoryError as e:
-            halvings += 1
-            now = ", ".join(f"{k}={limits[k]}" for k in keys)
-            if halvings > MAX_HALVINGS:
-                raise Eagle3Error(
-                    f"{what} ran out of GPU memory on a batch of {len(idx)} item(s) (longest {max(lengths[i] for i in idx)} "
-                    f"tokens) even at {now}, after {MAX_HALVINGS} halvings: run fewer replicas on this GPU "
-                    "(parallel.workers, or other jobs), or lower capture.max_length"
-                ) from e
-            for k in keys:
-                limits[k] = max(1, limits[k] // 2)
-            if on_shrink is not None:
-                on_shrink()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            log.warning("%s ran out of GPU memory on a batch of %d item(s) at %s; going on with %s (%d of %d items "
-                        "left; set the engine's limits lower to start there)", what, len(idx), now,
-                        ", ".join(f"{k}={limits[k]}" for k in keys), len(pending) - sum(done[i] for i in pending),
-                        len(lengths))
+            message = str(e).splitlines()[0] if str(e) else "CUDA out of memory"
+        # here, outside the except block, the error's traceback is gone and with it the frames
+        # that held the failed batch's tensors: only now can the cache be given back
+        halvings += 1
+        now = ", ".join(f"{k}={limits[k]}" for k in keys)
+        if halvings > MAX_HALVINGS:
+            raise Eagle3Error(
+                f"{what} ran out of GPU memory on a batch of {len(idx)} item(s) (longest {max(lengths[i] for i in idx)} "
+                f"tokens) even at {now}, after {MAX_HALVINGS} halvings: run fewer replicas on this GPU "
+                f"(parallel.workers, or other jobs), or lower capture.max_length ({message})"
+            )
+        for k in keys:
+            limits[k] = max(1, limits[k] // 2)
+        if on_shrink is not None:
+            on_shrink()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        log.warning("%s ran out of GPU memory on a batch of %d item(s) at %s; going on with %s (%d of %d items "
+                    "left; set the engine's limits lower to start there)", what, len(idx), now,
+                    ", ".join(f"{k}={limits[k]}" for k in keys), len(pending) - sum(done[i] for i in pending),
+                    len(lengths))
