@@ -23,9 +23,9 @@ class HFEngineConfig:
     generate_batch_size: Optional[int] = None  # prompts per batched generate call
     capture_batch_size: Optional[int] = None  # sequences per batched capture forward
     max_batch_tokens: Optional[int] = None  # padded tokens per capture forward (caps memory)
-    # On CUDA out-of-memory the limits of the failing stage (generate: generate_batch_size and
-    # max_batch_tokens; capture: capture_batch_size and max_batch_tokens) are halved for the rest of the run and the work goes on
-    # (eagle3.engines.hf.oom; a warning says to what); the starting values are these.
+    # On CUDA out-of-memory the failing stage's limits (generate: generate_batch_size and
+    # max_batch_tokens; capture: capture_batch_size and max_batch_tokens) are halved for the
+    # rest of the run and the work goes on (eagle3.engines.hf.oom; a warning says to what).
     # Generation KV cache: graphs = this project's batched decoder (eagle3.engines.hf.batch_decode):
     # a preallocated cache and the decode step replayed from one CUDA graph per batch shape, no
     # compilation (CUDA only); dynamic = DynamicCache, eager; static = transformers' StaticCache,
