@@ -161,14 +161,24 @@ def unknown_override_key(overrides: Sequence[str], schema: type, groups: Sequenc
 
     Hydra refuses such a key in several lines and suggests ``+key=value``, which adds a
     key nothing reads (:func:`to_typed` then refuses it). The key is checked along the
-    dataclass fields of ``schema``; below a field that is no dataclass (``engine: Any``,
-    whose schema depends on the engine chosen, dicts, lists) it is left to Hydra, as are
+    dataclass fields of ``schema``; ``engine.*`` along the schema of the engine chosen
+    (``engine=`` on the command line, else the stage's default, :data:`ENGINE_SCHEMAS`).
+    Below a field that is no dataclass (dicts, lists) it is left to Hydra, as are
     ``+``/``++``/``~`` overrides, ``hydra.*`` and ``group/option`` keys and the config ``groups``.
     """
     import dataclasses
     import difflib
     import typing
 
+    from eagle3.config_engines import ENGINE_SCHEMAS
+
+    defaults = next((f.default_factory() for f in dataclasses.fields(schema)  # type: ignore[misc]
+                     if f.name == "defaults" and f.default_factory is not dataclasses.MISSING), [])
+    engine = next((d["engine"] for d in defaults if isinstance(d, dict) and "engine" in d), None)
+    for ov in overrides:
+        key, sep, value = ov.partition("=")
+        if key.strip() == "engine" and sep:
+            engine = value.strip()
     for ov in overrides:
         key, sep, _ = ov.partition("=")
         key = key.strip()
@@ -182,11 +192,14 @@ def unknown_override_key(overrides: Sequence[str], schema: type, groups: Sequenc
                 where = ".".join(seen)
                 hint = (f"did you mean {where + '.' if where else ''}{near[0]}?" if near
                         else f"the settings there are {', '.join(fields)}")
-                return f"'{key}' is not a setting of this stage; {hint}"
+                owner = f"engine={engine}" if seen[:1] == ["engine"] else "this stage"
+                return f"'{key}' is not a setting of {owner}; {hint}"
             seen.append(part)
             hint_type = typing.get_type_hints(kind).get(part)
             args = [a for a in typing.get_args(hint_type) if a is not type(None)]  # Optional[X] -> X
             kind = args[0] if len(args) == 1 else hint_type
+            if seen == ["engine"] and kind is typing.Any:
+                kind = ENGINE_SCHEMAS.get(engine)  # None (an unknown engine): Hydra says so
             if not dataclasses.is_dataclass(kind):
                 break
     return None

@@ -152,3 +152,7 @@ class VLLMEngineConfig:
     max_retries: int = 3
     backoff_s: float = 2.0
     extra_args: list[str] = field(default_factory=list)
+
+
+# The schema of each `engine=` choice (conf/engine/<name>.yaml), for checks made before Hydra runs.
+ENGINE_SCHEMAS = {"hf": HFEngineConfig, "sglang": SGLangEngineConfig, "vllm": VLLMEngineConfig}

@@ -106,8 +106,18 @@ def test_a_plain_override_of_a_key_the_schema_lacks_is_named_before_hydra_runs(s
     assert unknown_override_key([f"{k}=1" for k in keys] + [f"{g}=x" for g in groups], schema, groups) is None
     assert unknown_override_key(["+loop.max_step=5", "~x", "hydra/job_logging=disabled", "hydra.verbose=true",
                                  "-m", "--cfg"], schema, groups) is None
-    engine = unknown_override_key(["engine.no_such_engine_key=1"], schema, groups)  # its schema is the engine chosen
-    assert engine is None if stage != "train" else engine.startswith("'engine.no_such_engine_key' is not a setting")
+    engine = unknown_override_key(["engine.max_batch_token=1"], schema, groups)  # along the schema of the engine chosen
+    assert engine.startswith("'engine.max_batch_token' is not a setting of this stage; the settings there are model,"
+                             ) if stage == "train" else engine == (
+        "'engine.max_batch_token' is not a setting of engine=hf; did you mean engine.max_batch_tokens?")
+    if stage != "train":
+        for name in ("hf", "sglang", "vllm"):  # every key of each engine's composed config passes with that engine
+            keys = [k for k in _leaf_keys(_compose(stage, [f"engine={name}"])) if k.startswith("engine.")]
+            assert len(keys) > 5
+            assert unknown_override_key([f"engine={name}"] + [f"{k}=1" for k in keys], schema, groups) is None
+        assert unknown_override_key(["engine=vllm", "engine.pythn=/x"], schema, groups) == (
+            "'engine.pythn' is not a setting of engine=vllm; did you mean engine.python?")
+        assert unknown_override_key(["engine=tgi", "engine.x=1"], schema, groups) is None  # Hydra names the engine
     assert unknown_override_key(["data.limt=3"], schema, groups) == (
         "'data.limt' is not a setting of this stage; did you mean data.limit?")
     assert unknown_override_key(["seed=1", "sead=2"], schema, groups) == (
