@@ -4,13 +4,15 @@
 
 The bare pass is ``model(input_ids).logits`` (what any forward costs); the capture pass is
 ``HFEngine.capture`` (aux hidden states through hooks, float32 top-k log-probs over the
-full vocabulary, copies to CPU). Both run on the same random full-length sequences,
-interleaved iteration by iteration (the order alternating); the ratio capture/bare tokens/s
-says what capturing costs, with its spread over iterations. ``--device auto`` picks
+full vocabulary, copies to CPU), timed twice: as it runs (two-stage ranking, fused
+log-normaliser, copies overlapped with the next batch; :mod:`eagle3.engines.hf.capture`) and
+on the float32 reference path (``capture_fast = False``). All three run on the same random
+full-length sequences, interleaved iteration by iteration (the order rotating); the ratio
+capture/bare tokens/s says what capturing costs, with its spread over iterations. ``--device auto`` picks
 cuda when available. ``--random-shape`` uses a random-weight Llama of SmolLM2-135M's shape
 instead of a built target (speed does not depend on the weights; no chat template). The
-``top-k + log-probs`` line times the capture's ranking and log-probs alone on one
-``[chunk, V]`` float32 chunk (a capture batch of ``N`` tokens runs ``N / chunk`` of them).
+last line times the ranking and log-probs alone on one ``[chunk, V]`` chunk of logits, both
+paths (a capture batch of ``N`` tokens runs ``N / chunk`` of them).
 """
 
 from __future__ import annotations
@@ -67,28 +69,39 @@ def _random_engine(eng_cfg, dtype: str):
 
 
 def _topk_step(engine, k: int, iters: int) -> dict:
-    """The capture's top-k and log-probs alone on one chunk of float32 logits (ms per chunk)."""
-    import torch.nn.functional as F
+    """Ranking and log-probs alone on one chunk of model-dtype logits (ms per chunk), both paths.
 
-    from eagle3.engines.hf.engine import LOGITS_CHUNK_BYTES
+    ``reference``: float32 copy, :func:`rank_top_k` over the whole row, ``log_softmax``;
+    ``fast``: :func:`rank_top_k_blocks` on the logits as computed plus the fused log-normaliser.
+    """
+    from eagle3.engines.hf.capture import LOGITS_CHUNK_BYTES, rank_top_k_blocks, row_logsumexp
     from eagle3.features.format import rank_top_k
 
     V = engine.target.vocab_size
-    n = max(1, LOGITS_CHUNK_BYTES // (4 * V))
+    dtype = next(engine.model.parameters()).dtype
+    n = max(1, LOGITS_CHUNK_BYTES // (torch.finfo(dtype).bits // 8 * V))
     g = torch.Generator().manual_seed(0)
-    logits = (torch.randn(n, V, generator=g) * 3).to(torch.bfloat16).float().to(engine.device)  # bf16 values
+    logits = (torch.randn(n, V, generator=g) * 3).to(dtype).to(engine.device)
 
-    def step():
-        ids, _ = rank_top_k(logits, k)
-        return F.log_softmax(logits, dim=-1).gather(-1, ids)
+    def reference():
+        x = logits.float()
+        ids, _ = rank_top_k(x, k)
+        return torch.log_softmax(x, dim=-1).gather(-1, ids)
 
-    step()
-    _sync(engine.device)
-    t = time.perf_counter()
-    for _ in range(iters):
-        step()
-    _sync(engine.device)
-    return {"topk_rows": n, "topk_logprobs_ms": (time.perf_counter() - t) / iters * 1e3}
+    def fast():
+        ids, v = rank_top_k_blocks(logits, k)
+        return v.float() - row_logsumexp(logits).unsqueeze(-1)
+
+    out = {"topk_rows": n}
+    for name, fn in (("reference", reference), ("fast", fast)):
+        fn()
+        _sync(engine.device)
+        t = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        _sync(engine.device)
+        out[f"topk_logprobs_ms_{name}"] = (time.perf_counter() - t) / iters * 1e3
+    return out
 
 
 def main(argv=None) -> dict:
@@ -129,6 +142,11 @@ def main(argv=None) -> dict:
             engine.model(input_ids=ids_dev, use_cache=False).logits
 
     def capture():
+        engine.capture_fast = True
+        engine.capture(seqs, a.top_k)
+
+    def capture_reference():
+        engine.capture_fast = False
         engine.capture(seqs, a.top_k)
 
     def timed(fn) -> float:
@@ -138,24 +156,30 @@ def main(argv=None) -> dict:
         _sync(dev)
         return time.perf_counter() - t
 
-    bare(), capture()  # warm-up
-    secs: dict[str, list[float]] = {"bare_forward": [], "capture": []}
-    ratios = []
-    for i in range(a.iters):  # interleaved, the order alternating, so a change of load hits both sides
-        pair = (("bare_forward", bare), ("capture", capture))
-        for name, fn in pair if i % 2 == 0 else pair[::-1]:
+    methods = [("bare_forward", bare), ("capture", capture), ("capture_reference", capture_reference)]
+    for _, fn in methods:  # warm-up (the fused log-normaliser compiles here)
+        fn()
+    secs: dict[str, list[float]] = {name: [] for name, _ in methods}
+    ratios: dict[str, list[float]] = {"capture": [], "capture_reference": []}
+    for i in range(a.iters):  # interleaved, the order rotating, so a change of load hits every side
+        for name, fn in methods[i % 3:] + methods[: i % 3]:
             secs[name].append(timed(fn))
-        ratios.append(secs["bare_forward"][-1] / secs["capture"][-1])
+        for name in ratios:
+            ratios[name].append(secs["bare_forward"][-1] / secs[name][-1])
     out = {name: B * T * len(v) / sum(v) for name, v in secs.items()}
-    out["ratio"] = out["capture"] / out["bare_forward"]
-    out["ratio_min"], out["ratio_max"] = min(ratios), max(ratios)
+    for name in ratios:
+        out[f"ratio_{name}"] = out[name] / out["bare_forward"]
+        out[f"ratio_{name}_min"], out[f"ratio_{name}_max"] = min(ratios[name]), max(ratios[name])
     out.update(_topk_step(engine, a.top_k, a.iters))
     print(
         f"{a.model} on {dev} ({engine.info()['dtype']}), batch {B} x {T} tokens, top-k {a.top_k}, {a.iters} iters\n"
-        f"  bare forward : {out['bare_forward']:10.1f} tokens/s\n"
-        f"  capture      : {out['capture']:10.1f} tokens/s\n"
-        f"  ratio        : {out['ratio']:10.3f} (capture / bare; per iteration {out['ratio_min']:.3f}-{out['ratio_max']:.3f})\n"
-        f"  top-k + log-probs on one chunk of {out['topk_rows']} rows x V: {out['topk_logprobs_ms']:.2f} ms"
+        f"  bare forward      : {out['bare_forward']:10.1f} tokens/s\n"
+        f"  capture           : {out['capture']:10.1f} tokens/s, {out['ratio_capture']:.3f} of bare "
+        f"(per iteration {out['ratio_capture_min']:.3f}-{out['ratio_capture_max']:.3f})\n"
+        f"  capture, reference: {out['capture_reference']:10.1f} tokens/s, {out['ratio_capture_reference']:.3f} of bare "
+        f"(per iteration {out['ratio_capture_reference_min']:.3f}-{out['ratio_capture_reference_max']:.3f})\n"
+        f"  ranking + log-probs of one chunk of {out['topk_rows']} rows x V: "
+        f"{out['topk_logprobs_ms_fast']:.2f} ms (reference {out['topk_logprobs_ms_reference']:.2f} ms)"
     )
     engine.close()
     return out

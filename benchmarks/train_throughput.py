@@ -45,6 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+import eagle3.train.drafter as drafter_module  # noqa: E402
 from eagle3.train.drafter import DrafterArch, Eagle3Drafter  # noqa: E402
 from eagle3.train.fused import compile_drafter_elementwise  # noqa: E402
 from eagle3.train.ttt import TTTCollator, batch_to, target_to_draft_index, ttt_forward  # noqa: E402
@@ -148,6 +149,8 @@ def run(name: str, args) -> dict:
     compiled = bool(getattr(args, "compiled", False))
     fused = bool(getattr(args, "fused", False))
     attention = "flex" if getattr(args, "flex", False) else "dense"
+    gqa = bool(getattr(args, "gqa_on", False))
+    drafter_module.GQA_IN_KERNEL = gqa
     if compiled:
         compile_drafter_elementwise(drafter)
     params = [p for p in drafter.parameters() if p.requires_grad]
@@ -198,6 +201,7 @@ def run(name: str, args) -> dict:
         "compiled": compiled,
         "fused_loss": fused,
         "flex": attention == "flex",
+        "gqa": gqa,
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "dtype": "bf16 autocast" if amp else "fp32",
         "hidden": arch.hidden_size,
@@ -243,6 +247,8 @@ def main(argv=None) -> list[dict]:
                    help="the top-k KL loss fused with lm_head (loop.fused_loss); both = each in turn")
     p.add_argument("--attention", choices=["dense", "flex", "both"], default="dense",
                    help="attention of TTT steps >= 1 (drafter.ttt_attention; flex needs CUDA); both = each in turn")
+    p.add_argument("--gqa", choices=["off", "on", "both"], default="off",
+                   help="grouped-query attention in the SDPA kernel instead of repeat_kv copies; both = each in turn")
     p.add_argument("--rounds", type=int, default=1, help="times each variant is timed, alternating")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
@@ -250,16 +256,16 @@ def main(argv=None) -> list[dict]:
         p.error("--rounds must be >= 1")
     names = ["smollm2", "kimi"] if args.model == "all" else [args.model]
     flag = {"off": [False], "on": [True], "both": [False, True]}
-    modes = [(c, f, x) for c in flag[args.compile] for f in flag[args.fused_loss]
-             for x in {"dense": [False], "flex": [True], "both": [False, True]}[args.attention]]
+    modes = [(c, f, x, g) for c in flag[args.compile] for f in flag[args.fused_loss]
+             for x in {"dense": [False], "flex": [True], "both": [False, True]}[args.attention] for g in flag[args.gqa]]
     results = []
     for n in names:
         for c in [int(x) for x in str(args.chain_chunks).split(",") if x.strip()]:
             for _ in range(args.rounds):
-                for compiled, fused, flex in modes:
+                for compiled, fused, flex, gqa in modes:
                     if flex and c:
                         p.error("--attention flex does not take --chain-chunks other than 0")
-                    args.chain_chunk, args.compiled, args.fused, args.flex = c, compiled, fused, flex
+                    args.chain_chunk, args.compiled, args.fused, args.flex, args.gqa_on = c, compiled, fused, flex, gqa
                     results.append(run(n, args))
     print(f"\n| drafter | device | dtype | tokens/step | step s | tokens/s | model TFLOP/step | TFLOP/s | MFU "
           f"(peak {args.peak_tflops:g}) | peak mem GB |")
@@ -267,7 +273,8 @@ def main(argv=None) -> list[dict]:
     for r in results:
         mem = f"{r['peak_memory_gb']:.1f}" if r["peak_memory_gb"] is not None else "-"
         chunked = ((f", chunks of {r['chain_chunk']}" if r["chain_chunk"] else "") + (", compiled" if r["compiled"] else "")
-                   + (", fused loss" if r["fused_loss"] else "") + (", flex attention" if r["flex"] else ""))
+                   + (", fused loss" if r["fused_loss"] else "") + (", flex attention" if r["flex"] else "")
+                   + (", GQA in SDPA" if r["gqa"] else ""))
         print(f"| {r['drafter']} (H={r['hidden']}, Vd={r['draft_vocab']}, TTT {r['ttt_steps']}{chunked}) | {r['device']} | "
               f"{r['dtype']} | {r['tokens_per_step']} | {r['step_s']:.3f} | {r['tokens_per_s']:.0f} | "
               f"{r['model_tflops_per_step']:.2f} | {r['achieved_tflops']:.1f} | {100 * r['mfu']:.1f}% | {mem} |")
@@ -281,7 +288,7 @@ def main(argv=None) -> list[dict]:
             for n, ms, c in k["top"]:
                 print(f"    {ms:9.2f} ms {c:5d} x  {n}")
     flags = (("compiled", "compiled / eager", args.compile), ("fused_loss", "fused loss / eager loss", args.fused_loss),
-             ("flex", "flex attention / dense mask", args.attention))
+             ("flex", "flex attention / dense mask", args.attention), ("gqa", "GQA in SDPA / repeat_kv", args.gqa))
     for key, what, setting in flags:
         if setting != "both":
             continue

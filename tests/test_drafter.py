@@ -217,3 +217,36 @@ def test_bf16_cast_keeps_rotary_frequencies_exact():
     m = m.to(torch.bfloat16)
     assert m.fc.weight.dtype == torch.bfloat16 and m.rotary_emb.inv_freq.dtype == torch.float32
     assert torch.equal(m.rotary_emb.inv_freq, ref)  # a bf16 copy would shift far positions
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_grouped_query_attention_in_the_kernel_equals_repeated_keys(monkeypatch, device):
+    """``GQA_IN_KERNEL``: SDPA's ``enable_gqa`` against ``repeat_kv`` copies, the reference
+    from-scratch forward, and a training-time-test unroll's loss and gradients (float32)."""
+    import benchmarks.train_throughput as bench
+    import eagle3.train.drafter as drafter_module
+    from eagle3.train.ttt import batch_to
+
+    m = make_drafter().to(device)
+    ids = torch.randint(0, ARCH.vocab_size, (1, 9), device=device)
+    fused = torch.randn(1, 9, ARCH.hidden_size, device=device)
+    pos = torch.arange(9, device=device)[None]
+    batch = batch_to(bench.synthetic_batch(ARCH, 2, 24, 3, 0.6, top_k=5), torch.device(device))
+    got = {}
+    for on in (False, True):
+        monkeypatch.setattr(drafter_module, "GQA_IN_KERNEL", on)
+        m.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            logits = m(ids, fused, pos).logits[0]
+        out = ttt_forward(m.train(), batch, 3)
+        out.loss.backward()
+        m.eval()
+        got[on] = (logits, out.loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
+    ref_logits, _ = reference_forward(m.cpu(), ids[0].cpu(), fused[0].cpu(), pos[0].cpu())
+    torch.testing.assert_close(got[True][0].double().cpu(), ref_logits, atol=1e-4, rtol=1e-4)
+    tol = {"atol": 1e-6, "rtol": 1e-5} if device == "cpu" else {"atol": 2e-5, "rtol": 1e-4}  # other CUDA kernels
+    torch.testing.assert_close(got[True][0], got[False][0], **tol)
+    torch.testing.assert_close(got[True][1], got[False][1], **tol)
+    assert got[True][2].keys() == got[False][2].keys() and len(got[True][2]) > 5
+    for n in got[True][2]:
+        torch.testing.assert_close(got[True][2][n], got[False][2][n], atol=tol["atol"], rtol=1e-4, msg=n)

@@ -37,6 +37,11 @@ from transformers.models.llama.modeling_llama import (
     repeat_kv,
 )
 
+#: grouped-query attention inside SDPA (``enable_gqa``) instead of ``repeat_kv`` copies of the
+#: keys and values; the same attention (``tests/test_drafter.py``). Off until timed faster on a
+#: GPU (``benchmarks/train_throughput.py --gqa both``): SDPA's kernel choice differs with it.
+GQA_IN_KERNEL = False
+
 
 @dataclass
 class DrafterArch:
@@ -161,8 +166,11 @@ class DrafterAttention(nn.Module):
             else:  # causal with a prefix: query i sits at absolute index past+i
                 q_abs = torch.arange(past, past + T, device=x.device)
                 attention_mask = (torch.arange(S, device=x.device)[None, :] <= q_abs[:, None])[None, None]
-        k, v = repeat_kv(k, rep), repeat_kv(v, rep)  # [B, h, S, d] (every SDPA kernel accepts it)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, is_causal=is_causal)  # [B, h, T, d]
+        if GQA_IN_KERNEL and rep > 1:  # the kernel reads kv head h // rep for query head h
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, is_causal=is_causal, enable_gqa=True)
+        else:
+            k, v = repeat_kv(k, rep), repeat_kv(v, rep)  # [B, h, S, d] (every SDPA kernel accepts it)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, is_causal=is_causal)  # [B, h, T, d]
         out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
         return self.o_proj(out)  # [B, T, H]
 

@@ -23,10 +23,11 @@ pre-hooks: id ``k < L`` is the input of decoder layer ``k`` and id ``L`` the inp
 final norm, i.e. HF ``output_hidden_states[k]`` (the convention of
 :mod:`eagle3.target.layers`), without keeping all ``L + 1`` states. Next-token log-probs use
 the target's own logits (``lm_head`` in the model dtype, as the served model computes
-them), with the log-softmax and top-k done in float32 on chunks of real positions only,
-so no ``[B, T, V]`` float32 tensor is ever built. The top-k is ranked on the logits with
-ties by the lower token id (:func:`eagle3.features.format.rank_top_k`), so the captured
-top-1 is the ``argmax`` a greedy verifier takes.
+them), ranked and normalised on chunks of real positions only, so no ``[B, T, V]`` tensor
+is ever built; log-probs are float32. The top-k is ranked on the logits with ties by the
+lower token id (:func:`eagle3.features.format.rank_top_k`), so the captured top-1 is the
+``argmax`` a greedy verifier takes; :mod:`eagle3.engines.hf.capture` does it in two stages
+and copies the results to the host while the next batch runs.
 """
 
 from __future__ import annotations
@@ -37,21 +38,20 @@ import sys
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from eagle3.target import end_of_turn_ids
 from eagle3.engines.base import Engine
 from eagle3.engines.hf.batch_decode import cut_after_stop
+from eagle3.engines.hf.capture import HostCopies, aux_hooks, top_k_logprobs
 from eagle3.engines.hf.oom import run_in_batches
 from eagle3.errors import Eagle3Error
-from eagle3.features import Capture, rank_top_k
+from eagle3.features import Capture
 from eagle3.devices import resolve_device
 from eagle3.target import TargetInfo, load_target
 
 log = logging.getLogger("eagle3")
 
-LOGITS_CHUNK_BYTES = 1 << 29  # float32 logits per top-k chunk: 512 MiB
 STATIC_WIDTH_MULTIPLE = 64  # static-cache generation pads prompts to a multiple of this (fewer compiled shapes)
 GENERATE_TOKEN_FACTOR = 8  # a generate batch holds <= 8 x max_batch_tokens padded prompt + new tokens
 # Batch sizes when the engine config leaves them unset (None), by device type.
@@ -204,6 +204,9 @@ class HFEngine(Engine):
         # what capture attends with, and what generation_attention restores: the model's own
         # (SDPA_OUTSIDE_COMPILE once compiled as above), not the configured name
         self.capture_attn = getattr(model.config, "_attn_implementation", None) or engine_cfg.attn_implementation
+        # capture ranks bf16 logits in blocks and fuses the log-normaliser; False: the float32
+        # reference path (same ids and log-probs; benchmarks/extract_throughput.py times both)
+        self.capture_fast = True
 
     @classmethod
     def from_config(cls, model_cfg, engine_cfg, cache_dir, run_dir=None) -> "HFEngine":
@@ -313,30 +316,13 @@ class HFEngine(Engine):
         return True
 
     # ----------------------------------------------------------------- capture
-    @contextlib.contextmanager
-    def _aux_hooks(self, store: dict[int, torch.Tensor]):
-        """Forward pre-hooks storing the residual stream entering each aux layer id."""
-        handles = []
-        L = len(self._layers)
-        for k in self.target.aux_layer_ids:
-            module = self._layers[k] if k < L else self._norm
-
-            def hook(mod, args, kwargs, k=k):
-                store[k] = args[0] if args else kwargs["hidden_states"]
-
-            handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
-        try:
-            yield
-        finally:
-            for h in handles:
-                h.remove()
-
     @torch.inference_mode()
     def capture(self, sequences: list[list[int]], top_k: int) -> list[Capture]:
         """Batched capture (see :meth:`Engine.capture`): batches of at most
         ``engine.capture_batch_size`` sequences and ``engine.max_batch_tokens`` padded
         tokens, longest first, right-padded; on CUDA out-of-memory the limits are halved and
-        the sequences not yet captured are planned again (:mod:`eagle3.engines.hf.oom`)."""
+        the sequences not yet captured are planned again (:mod:`eagle3.engines.hf.oom`).
+        Ranking, log-probs and the copies to the host are :mod:`eagle3.engines.hf.capture`'s."""
         if any(len(s) == 0 for s in sequences):
             raise Eagle3Error("cannot capture an empty token sequence")
         V = self.target.vocab_size
@@ -344,39 +330,41 @@ class HFEngine(Engine):
             raise Eagle3Error(f"capture.top_k={top_k} must be in 1..{V}")
         lengths = [len(s) for s in sequences]
         out: list[Optional[Capture]] = [None] * len(sequences)
-        chunk = max(1, LOGITS_CHUNK_BYTES // (4 * V))
+        copies = HostCopies(self.device)
 
         def run(idx: list[int]) -> None:
             ids, mask, pos = right_pad([sequences[i] for i in idx], self.pad_id)
+            rows = mask.view(-1).nonzero().squeeze(1).to(self.device)  # [N] real positions in batch order
             store: dict[int, torch.Tensor] = {}
-            with self._aux_hooks(store):
+            with aux_hooks(self._layers, self._norm, self.target.aux_layer_ids, store):
                 hidden = self._base(
                     input_ids=ids.to(self.device),
                     attention_mask=mask.to(self.device),
                     position_ids=pos.to(self.device),
                     use_cache=False,
                 ).last_hidden_state  # [B, T, H], after the final norm
-            valid = mask.to(self.device).bool()  # [B, T]
-            aux = torch.stack([store[k][valid] for k in self.target.aux_layer_ids], dim=1)  # [N, 3, H]
-            h = hidden[valid]  # [N, H]
-            top_ids = torch.empty((h.shape[0], top_k), dtype=torch.int32, device=self.device)
-            top_lp = torch.empty((h.shape[0], top_k), dtype=torch.float32, device=self.device)
-            for a in range(0, h.shape[0], chunk):
-                logits = self._lm_head(h[a : a + chunk]).float()  # [n, V] float32
-                i_, _ = rank_top_k(logits, top_k)  # ties by the lower id: column 0 is the verifier's argmax
-                top_ids[a : a + chunk] = i_.to(torch.int32)
-                top_lp[a : a + chunk] = F.log_softmax(logits, dim=-1).gather(-1, i_)
-            aux = aux.to(torch.bfloat16).cpu()
-            top_ids, top_lp = top_ids.cpu(), top_lp.cpu()
-            start = 0
-            for i in idx:  # rows of `valid` are in batch order
-                n = lengths[i]
-                out[i] = Capture(aux[start : start + n], top_ids[start : start + n], top_lp[start : start + n])
-                start += n
+            B, T, H = hidden.shape
+            aux = torch.stack([store[k].reshape(B * T, H).index_select(0, rows) for k in self.target.aux_layer_ids],
+                              dim=1).to(torch.bfloat16)  # [N, 3, H]
+            top_ids, top_lp = top_k_logprobs(hidden.reshape(B * T, H).index_select(0, rows), self._lm_head, top_k,
+                                             fast=self.capture_fast)
 
-        run_in_batches(self.batch, ("capture_batch_size", "max_batch_tokens"), lengths,
-                       lambda ls: _batches(ls, self.batch["capture_batch_size"], self.batch["max_batch_tokens"]),
-                       run, "capture")
+            def done(aux, top_ids, top_lp, idx=idx):
+                start = 0
+                for i in idx:  # rows are in batch order
+                    n = lengths[i]
+                    out[i] = Capture(aux[start : start + n], top_ids[start : start + n], top_lp[start : start + n])
+                    start += n
+
+            copies.submit((aux, top_ids, top_lp), done)
+
+        try:
+            run_in_batches(self.batch, ("capture_batch_size", "max_batch_tokens"), lengths,
+                           lambda ls: _batches(ls, self.batch["capture_batch_size"], self.batch["max_batch_tokens"]),
+                           run, "capture")
+            copies.finish()
+        finally:
+            copies.drop()
         return out  # type: ignore[return-value]
 
     def close(self) -> None:

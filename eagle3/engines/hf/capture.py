@@ -1,0 +1,222 @@
+"""Capture's work per batch after the forward pass: ranking, log-probs, copies to the host.
+
+The capture contract (:class:`eagle3.features.Capture`) stores, for every position, the
+target's top-k next-token ids (ties by the lower id, :func:`eagle3.features.format.rank_top_k`)
+and their float32 log-probabilities under the full vocabulary. A full ``topk`` over a
+49,152-wide float32 row, a second pass for ties and a float32 ``log_softmax`` of every chunk
+made capture cost 3-4 bare forward passes on one H200 (docs/performance.md). Here:
+
+- :func:`rank_top_k_blocks` ranks the bf16 logits as given, in two stages: the maximum of each
+  block of 128 ids, the ``k`` best blocks, then :func:`rank_top_k` over those ``k x 128``
+  candidates only. The result is identical to :func:`rank_top_k` on the whole row (proof in
+  the docstring).
+- :func:`row_logsumexp` is the float32 log-normaliser of each row, fused into one pass over the
+  bf16 logits on CUDA (``torch.compile``), so no float32 copy of a chunk is built; the log-probs
+  are ``logit - logsumexp``, which is ``log_softmax`` gathered at the ids.
+- :class:`HostCopies` moves each batch's results into pinned host buffers on a side stream and
+  hands them out one batch later, so the device-to-host copies overlap the next batch's forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Callable, Optional
+
+import torch
+
+from eagle3.features import rank_top_k
+
+log = logging.getLogger("eagle3")
+
+BLOCK = 128  # ids per block of the first ranking stage (V = 49,152 is 384 blocks)
+LOGITS_CHUNK_BYTES = 1 << 29  # logits of one ranking chunk, in the model dtype: 512 MiB
+
+
+def rank_top_k_blocks(logits: torch.Tensor, k: int, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rank_top_k` in two stages: ``k`` blocks of ``block`` ids first, then their ids.
+
+    Why it is exact. Order ids by (logit descending, id ascending) and blocks by (block
+    maximum descending, block index ascending). Take an id ``e`` of the true top-k whose block
+    ``B`` is not among the first ``k`` blocks. Each of those ``k`` blocks has a maximum above
+    ``max(B) >= logit(e)``, or equal to it at a lower block index, i.e. at lower ids than
+    ``e``; so each holds an id that ranks before ``e``: ``k`` ids before ``e``, which then is
+    not in the top-k. Hence the top-k lies in the first ``k`` blocks, and ranking their ids
+    (kept in id order) with :func:`rank_top_k` gives the same ids, ties by the lower id.
+
+    Args:
+        logits: ``[n, V]`` float logits of any float dtype (bf16 as the model computes them;
+            compared as given).
+        k: ``1 <= k <= V``.
+        block: ids per block; a row whose ``V`` is not a multiple is padded with ``-inf``
+            at its end (higher ids, so they never displace a real id).
+
+    Returns:
+        ``(ids [n, k] int64, values [n, k])`` equal to ``rank_top_k(logits, k)``; values in
+        the dtype of ``logits``. With ``k * block >= V`` it is ``rank_top_k`` itself.
+    """
+    n, V = logits.shape
+    nb = -(-V // block)
+    if k * block >= V:
+        return rank_top_k(logits, k)
+    x = logits
+    if nb * block != V:
+        x = torch.nn.functional.pad(logits, (0, nb * block - V), value=float("-inf"))
+    xb = x.view(n, nb, block)
+    best = xb.amax(-1).sort(dim=-1, descending=True, stable=True).indices[:, :k]  # [n, k] blocks
+    blocks = best.sort(dim=-1).values  # in id order, so "lower candidate" means "lower id"
+    cand = xb.gather(1, blocks.unsqueeze(-1).expand(n, k, block)).reshape(n, k * block)
+    cand_ids = (blocks.unsqueeze(-1) * block + torch.arange(block, device=logits.device)).reshape(n, k * block)
+    j, vals = rank_top_k(cand, k)
+    return cand_ids.gather(-1, j), vals
+
+
+def _logsumexp_float(x: torch.Tensor) -> torch.Tensor:
+    return torch.logsumexp(x.float(), dim=-1)
+
+
+_fused_logsumexp: Optional[Callable] = None
+
+
+def row_logsumexp(logits: torch.Tensor, fused: bool = True) -> torch.Tensor:
+    """``logsumexp`` of each row in float32: ``[n, V]`` (any float dtype) -> ``[n]`` float32.
+
+    On CUDA with ``fused`` the float32 cast and the reduction are one inductor kernel
+    (``torch.compile``, dynamic shapes: one compilation per process, cached on disk by
+    inductor across processes); elsewhere, or if compiling fails (logged once), the eager
+    ``torch.logsumexp(logits.float())``. ``logits[i, j] - row_logsumexp(logits)[i]`` is
+    float32 ``log_softmax(logits.float())[i, j]`` up to float32 rounding.
+    """
+    global _fused_logsumexp
+    if not (fused and logits.is_cuda):
+        return _logsumexp_float(logits)
+    if _fused_logsumexp is None:
+        _fused_logsumexp = torch.compile(_logsumexp_float, dynamic=True)
+    try:
+        return _fused_logsumexp(logits)
+    except Exception as e:  # noqa: BLE001 - a compiler failure must not stop an extraction
+        log.warning("capture: the fused logsumexp did not compile (%s); using the eager one", str(e).splitlines()[0])
+        _fused_logsumexp = _logsumexp_float
+        return _logsumexp_float(logits)
+
+
+def top_k_logprobs(hidden: torch.Tensor, lm_head: torch.nn.Module, k: int,
+                   fast: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's top-k next tokens and their log-probs at each of ``N`` positions.
+
+    ``lm_head`` runs on chunks of rows (at most ``LOGITS_CHUNK_BYTES`` of logits in the model
+    dtype), so no ``[N, V]`` tensor is built.
+
+    Args:
+        hidden: ``[N, H]`` final-norm hidden states (model dtype), on the model's device.
+        lm_head: the target's output projection ``H -> V``.
+        k: ``1 <= k <= V``.
+        fast: rank with :func:`rank_top_k_blocks` on the model-dtype logits and take log-probs
+            as ``logit - row_logsumexp``; ``False`` is the reference path (float32 copy,
+            :func:`rank_top_k` over the whole row, ``log_softmax``), kept for tests and the
+            benchmark. Both give the same ids and log-probs to float32 rounding.
+
+    Returns:
+        ``(ids [N, k] int32, logprobs [N, k] float32)`` on ``hidden``'s device.
+    """
+    N = hidden.shape[0]
+    V = lm_head.weight.shape[0]
+    ids = torch.empty((N, k), dtype=torch.int32, device=hidden.device)
+    lps = torch.empty((N, k), dtype=torch.float32, device=hidden.device)
+    rows = max(1, LOGITS_CHUNK_BYTES // (hidden.element_size() * V))
+    for a in range(0, N, rows):
+        logits = lm_head(hidden[a : a + rows])  # [n, V], model dtype
+        if fast:
+            i_, v = rank_top_k_blocks(logits, k)
+            lp = v.float() - row_logsumexp(logits).unsqueeze(-1)
+        else:
+            logits = logits.float()
+            i_, _ = rank_top_k(logits, k)
+            lp = torch.log_softmax(logits, dim=-1).gather(-1, i_)
+        ids[a : a + rows] = i_.to(torch.int32)
+        lps[a : a + rows] = lp
+    return ids, lps
+
+
+class HostCopies:
+    """Device-to-host copies of each batch's results that overlap the next batch's work.
+
+    :meth:`submit` queues the copies of one batch's tensors into pinned buffers on a side
+    stream and returns at once; the batch is handed to its ``done`` callback (as pageable
+    CPU tensors) during the next :meth:`submit` or at :meth:`finish`, by which time the
+    copy has run beside the next batch's kernels. Two pinned buffer sets alternate, so the
+    host memory held is two batches' results, reused across calls. On a CPU device the
+    tensors are handed over at once (nothing to copy).
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self._buffers: list[list[torch.Tensor]] = [[], []]
+        self._turn = 0
+        self._pending: Optional[tuple] = None
+
+    def _pinned(self, slot: int, i: int, t: torch.Tensor) -> torch.Tensor:
+        bufs = self._buffers[slot]
+        need = t.numel() * t.element_size()
+        if i >= len(bufs) or bufs[i].numel() < need:
+            buf = torch.empty(max(need, 1 << 20), dtype=torch.uint8, pin_memory=True)
+            if i < len(bufs):
+                bufs[i] = buf
+            else:
+                bufs.append(buf)
+        return bufs[i][:need].view(t.dtype).view(t.shape)
+
+    def submit(self, tensors: tuple[torch.Tensor, ...], done: Callable[..., None]) -> None:
+        """Queue ``tensors`` (on the device) for the host; ``done(*cpu_tensors)`` is called later."""
+        if not self.cuda:
+            done(*tensors)
+            return
+        slot = self._turn
+        self._turn ^= 1
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            hosts = tuple(self._pinned(slot, i, t).copy_(t, non_blocking=True) for i, t in enumerate(tensors))
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self.finish()  # the previous batch: its copy ran beside this batch's kernels
+        self._pending = (event, tensors, hosts, done)  # `tensors` kept alive until the copy is done
+
+    def finish(self) -> None:
+        """Hand the batch still in flight to its callback (waits for its copy)."""
+        if self._pending is None:
+            return
+        event, _, hosts, done = self._pending
+        self._pending = None
+        event.synchronize()
+        # out of the pinned buffer (which the batch after next reuses) into pageable memory
+        done(*(torch.empty(h.shape, dtype=h.dtype).copy_(h) for h in hosts))
+
+    def drop(self) -> None:
+        """Forget the batch in flight (after an error, its results are not wanted)."""
+        if self._pending is not None:
+            self._pending[0].synchronize()
+        self._pending = None
+
+
+@contextlib.contextmanager
+def aux_hooks(layers, norm, aux_layer_ids: list[int], store: dict[int, torch.Tensor]):
+    """Forward pre-hooks storing the residual stream entering each aux layer id in ``store``.
+
+    Id ``k < L`` is the input of decoder layer ``k``, id ``L`` the input of the final ``norm``
+    (HF ``output_hidden_states[k]``; :mod:`eagle3.target.layers`).
+    """
+    handles = []
+    for k in aux_layer_ids:
+        module = layers[k] if k < len(layers) else norm
+
+        def hook(mod, args, kwargs, k=k):
+            store[k] = args[0] if args else kwargs["hidden_states"]
+
+        handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()

@@ -1,0 +1,98 @@
+"""Capture's two-stage ranking, fused log-normaliser and overlapped host copies.
+
+The references are independent of the code under test: a stable descending sort of the whole
+row (the definition of the capture's top-k order) and float64 ``log_softmax``.
+"""
+
+import pytest
+import torch
+
+from eagle3.engines.hf.capture import HostCopies, rank_top_k_blocks, row_logsumexp, top_k_logprobs
+
+
+def _stable_top_k(x: torch.Tensor, k: int):
+    ref = torch.sort(x.float(), dim=-1, descending=True, stable=True)
+    return ref.indices[:, :k], ref.values[:, :k]
+
+
+@pytest.mark.parametrize("V,block", [(96, 8), (100, 8), (49152, 128), (1000, 128)])
+@pytest.mark.parametrize("k", [1, 3, 20])
+def test_two_stage_ranking_equals_a_stable_sort_of_the_whole_row(V, block, k):
+    g = torch.Generator().manual_seed(V + k)
+    for values in (5, 1000):  # few distinct values (ties everywhere, across blocks) and few ties
+        x = torch.randint(0, values, (64, V), generator=g).to(torch.bfloat16)
+        x[0] = 7  # one row all tied: the k lowest ids
+        x[1, :] = float("-inf")
+        x[1, V - 1] = 1.0  # the only finite logit in the last (padded, for V=100) block
+        x[2, :block] = 3000.0  # the first block holds the whole top-k when k <= block
+        ids, vals = rank_top_k_blocks(x, k, block=block)
+        ref_ids, ref_vals = _stable_top_k(x, k)
+        assert torch.equal(ids, ref_ids), (V, block, k, values)
+        assert torch.equal(vals.float(), ref_vals) and vals.dtype == torch.bfloat16
+        assert torch.equal(ids[:, 0], x.argmax(-1))  # the verifier's greedy token first
+
+
+def test_ranking_hand_case_ties_cross_the_block_boundary():
+    # blocks of 2: [5, 9 | 9, 9 | 1, 9]; top-3 is ids 1, 2, 3 (the three lowest ids holding 9),
+    # although block 2 also has a 9: equal block maxima go to the lower block
+    x = torch.tensor([[5.0, 9.0, 9.0, 9.0, 1.0, 9.0]])
+    ids, vals = rank_top_k_blocks(x, 2, block=2)
+    assert ids.tolist() == [[1, 2]] and vals.tolist() == [[9.0, 9.0]]
+    assert rank_top_k_blocks(x, 4, block=1)[0].tolist() == [[1, 2, 3, 5]]
+
+
+def test_log_probs_of_the_fast_path_equal_float64_log_softmax():
+    g = torch.Generator().manual_seed(0)
+    H, V, N, k = 16, 3000, 37, 5
+    head = torch.nn.Linear(H, V, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(V, H, generator=g) * 2)
+    h = torch.randn(N, H, generator=g).to(torch.bfloat16)
+    with torch.no_grad():
+        ids, lp = top_k_logprobs(h, head, k, fast=True)
+        ref_ids, ref_lp = top_k_logprobs(h, head, k, fast=False)
+        logits = head(h)
+    assert ids.dtype == torch.int32 and lp.dtype == torch.float32 and ids.shape == (N, k)
+    assert torch.equal(ids, ref_ids)
+    exact = torch.log_softmax(logits.double(), -1).gather(-1, ids.long())
+    assert torch.allclose(lp.double(), exact, atol=2e-6) and torch.allclose(ref_lp.double(), exact, atol=2e-6)
+    assert torch.equal(ids[:, 0].long(), logits.argmax(-1))
+    lse = row_logsumexp(logits)
+    assert lse.dtype == torch.float32 and torch.allclose(lse.double(), torch.logsumexp(logits.double(), -1), atol=2e-6)
+
+
+def test_host_copies_hand_each_batch_over_once_in_order():
+    seen = []
+    copies = HostCopies(torch.device("cpu"))
+    for b in range(3):
+        copies.submit((torch.full((2, 3), b), torch.arange(b + 1)), lambda x, y: seen.append((x[0, 0].item(), len(y))))
+    copies.finish()
+    assert seen == [(0, 1), (1, 2), (2, 3)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned copies on a side stream need a GPU")
+def test_host_copies_on_cuda_arrive_intact_one_batch_later():
+    seen = []
+    copies = HostCopies(torch.device("cuda"))
+    want = []
+    for b in range(4):
+        x = torch.randn(1000 + 100 * b, 3, 64, device="cuda").to(torch.bfloat16)
+        y = torch.randint(0, 9, (1000 + 100 * b, 5), device="cuda", dtype=torch.int32)
+        want.append((x.cpu(), y.cpu()))
+        copies.submit((x, y), lambda x, y: seen.append((x, y)))
+        assert len(seen) == b  # handed over at the next submit, not before
+        del x, y  # the copier keeps the device tensors alive until their copy is done
+        torch.cuda.synchronize()
+    copies.finish()
+    for (x, y), (wx, wy) in zip(seen, want):
+        assert x.device.type == "cpu" and not x.is_pinned() and torch.equal(x, wx) and torch.equal(y, wy)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused logsumexp compiles for CUDA")
+def test_fused_logsumexp_on_cuda_equals_float64():
+    g = torch.Generator().manual_seed(1)
+    for n, V in ((7, 49152), (300, 32000), (1, 17)):
+        x = (torch.randn(n, V, generator=g) * 4).to(torch.bfloat16).cuda()
+        got = row_logsumexp(x, fused=True)
+        assert got.dtype == torch.float32
+        assert torch.allclose(got.double().cpu(), torch.logsumexp(x.double().cpu(), -1), atol=2e-5)
