@@ -74,7 +74,7 @@ def _topk_step(engine, k: int, iters: int) -> dict:
     ``reference``: float32 copy, :func:`rank_top_k` over the whole row, ``log_softmax``;
     ``fast``: :func:`rank_top_k_blocks` on the logits as computed plus the fused log-normaliser.
     """
-    from eagle3.engines.hf.capture import LOGITS_CHUNK_BYTES, rank_top_k_blocks, row_logsumexp
+    from eagle3.engines.hf.capture import LOGITS_CHUNK_BYTES, block_max_and_logsumexp, rank_top_k_blocks
     from eagle3.features.format import rank_top_k
 
     V = engine.target.vocab_size
@@ -89,8 +89,9 @@ def _topk_step(engine, k: int, iters: int) -> dict:
         return torch.log_softmax(x, dim=-1).gather(-1, ids)
 
     def fast():
-        ids, v = rank_top_k_blocks(logits, k)
-        return v.float() - row_logsumexp(logits).unsqueeze(-1)
+        bmax, lse = block_max_and_logsumexp(logits)
+        ids, v = rank_top_k_blocks(logits, k, block_max=bmax)
+        return v.float() - lse.unsqueeze(-1)
 
     out = {"topk_rows": n}
     for name, fn in (("reference", reference), ("fast", fast)):
@@ -114,14 +115,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--batches", type=int, default=1,
+                    help="capture batches per call (a shard is several; the copies of one overlap the next's "
+                         "forward); the bare side runs as many forwards")
     ap.add_argument("--top-k", type=int, default=20)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default=None, help="override model.dtype (e.g. float32 on CPUs without bf16)")
     ap.add_argument("--cache-dir", default=str(ROOT / "data" / "models"))
+    ap.add_argument("--profile", action="store_true", help="one more capture call under torch.profiler: top ops")
     ap.add_argument("--random-shape", action="store_true", help="random SmolLM2-135M-shaped target")
     a = ap.parse_args(argv)
 
-    B, T = a.batch_size, a.seq_len
+    B, T, NB = a.batch_size, a.seq_len, a.batches
     eng_cfg = HFEngineConfig(device=a.device, capture_batch_size=B, max_batch_tokens=B * T)
     if a.random_shape:
         engine = _random_engine(eng_cfg, a.dtype or "bfloat16")
@@ -133,13 +138,14 @@ def main(argv=None) -> dict:
         engine = HFEngine.from_config(model_cfg, eng_cfg, a.cache_dir)
     dev = engine.device
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, engine.target.vocab_size, (B, T), generator=g)
+    ids = torch.randint(3, engine.target.vocab_size, (NB * B, T), generator=g)
     seqs = ids.tolist()
     ids_dev = ids.to(dev)
 
     def bare():
         with torch.inference_mode():
-            engine.model(input_ids=ids_dev, use_cache=False).logits
+            for b in range(NB):
+                engine.model(input_ids=ids_dev[b * B : (b + 1) * B], use_cache=False).logits
 
     def capture():
         engine.capture_fast = True
@@ -166,13 +172,24 @@ def main(argv=None) -> dict:
             secs[name].append(timed(fn))
         for name in ratios:
             ratios[name].append(secs["bare_forward"][-1] / secs[name][-1])
-    out = {name: B * T * len(v) / sum(v) for name, v in secs.items()}
+    out = {name: NB * B * T * len(v) / sum(v) for name, v in secs.items()}
     for name in ratios:
         out[f"ratio_{name}"] = out[name] / out["bare_forward"]
         out[f"ratio_{name}_min"], out[f"ratio_{name}_max"] = min(ratios[name]), max(ratios[name])
     out.update(_topk_step(engine, a.top_k, a.iters))
+    if a.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            capture()
+            _sync(dev)
+        key = "cuda_time_total" if dev.type == "cuda" else "cpu_time_total"
+        print(prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60))
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=60))
     print(
-        f"{a.model} on {dev} ({engine.info()['dtype']}), batch {B} x {T} tokens, top-k {a.top_k}, {a.iters} iters\n"
+        f"{a.model} on {dev} ({engine.info()['dtype']}), {NB} batch(es) of {B} x {T} tokens, top-k {a.top_k}, "
+        f"{a.iters} iters\n"
         f"  bare forward      : {out['bare_forward']:10.1f} tokens/s\n"
         f"  capture           : {out['capture']:10.1f} tokens/s, {out['ratio_capture']:.3f} of bare "
         f"(per iteration {out['ratio_capture_min']:.3f}-{out['ratio_capture_max']:.3f})\n"

@@ -7,7 +7,8 @@ row (the definition of the capture's top-k order) and float64 ``log_softmax``.
 import pytest
 import torch
 
-from eagle3.engines.hf.capture import HostCopies, rank_top_k_blocks, row_logsumexp, top_k_logprobs
+from eagle3.engines.hf.capture import (HostCopies, block_max_and_logsumexp, rank_top_k_blocks, row_logsumexp,
+                                      top_k_logprobs)
 
 
 def _stable_top_k(x: torch.Tensor, k: int):
@@ -71,7 +72,7 @@ def test_host_copies_hand_each_batch_over_once_in_order():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned copies on a side stream need a GPU")
-def test_host_copies_on_cuda_arrive_intact_one_batch_later():
+def test_host_copies_on_cuda_arrive_intact_and_in_order():
     seen = []
     copies = HostCopies(torch.device("cuda"))
     want = []
@@ -79,13 +80,12 @@ def test_host_copies_on_cuda_arrive_intact_one_batch_later():
         x = torch.randn(1000 + 100 * b, 3, 64, device="cuda").to(torch.bfloat16)
         y = torch.randint(0, 9, (1000 + 100 * b, 5), device="cuda", dtype=torch.int32)
         want.append((x.cpu(), y.cpu()))
-        copies.submit((x, y), lambda x, y: seen.append((x, y)))
-        assert len(seen) == b  # handed over at the next submit, not before
+        copies.submit((x, y), lambda x, y, b=b: seen.append((b, x, y)))
         del x, y  # the copier keeps the device tensors alive until their copy is done
-        torch.cuda.synchronize()
     copies.finish()
-    for (x, y), (wx, wy) in zip(seen, want):
-        assert x.device.type == "cpu" and not x.is_pinned() and torch.equal(x, wx) and torch.equal(y, wy)
+    assert [b for b, _, _ in seen] == [0, 1, 2, 3]
+    for (_, x, y), (wx, wy) in zip(seen, want):
+        assert x.device.type == "cpu" and torch.equal(x, wx) and torch.equal(y, wy)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused logsumexp compiles for CUDA")
@@ -96,3 +96,14 @@ def test_fused_logsumexp_on_cuda_equals_float64():
         got = row_logsumexp(x, fused=True)
         assert got.dtype == torch.float32
         assert torch.allclose(got.double().cpu(), torch.logsumexp(x.double().cpu(), -1), atol=2e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused first stage compiles for CUDA")
+def test_fused_first_stage_on_cuda_equals_its_eager_parts():
+    g = torch.Generator().manual_seed(2)
+    for n in (5, 300):
+        x = (torch.randn(n, 49152, generator=g) * 4).to(torch.bfloat16).cuda()
+        bmax, lse = block_max_and_logsumexp(x)
+        assert torch.equal(bmax, x.view(n, -1, 128).amax(-1))
+        assert torch.allclose(lse.double().cpu(), torch.logsumexp(x.double().cpu(), -1), atol=2e-5)
+        assert torch.equal(rank_top_k_blocks(x, 20, block_max=bmax)[0], _stable_top_k(x, 20)[0])

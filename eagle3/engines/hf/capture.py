@@ -13,8 +13,8 @@ made capture cost 3-4 bare forward passes on one H200 (docs/performance.md). Her
 - :func:`row_logsumexp` is the float32 log-normaliser of each row, fused into one pass over the
   bf16 logits on CUDA (``torch.compile``), so no float32 copy of a chunk is built; the log-probs
   are ``logit - logsumexp``, which is ``log_softmax`` gathered at the ids.
-- :class:`HostCopies` moves each batch's results into pinned host buffers on a side stream and
-  hands them out one batch later, so the device-to-host copies overlap the next batch's forward.
+- :class:`HostCopies` moves each batch's results into pinned host memory on a side stream and
+  hands them out once copied, so the device-to-host copies overlap the next batches' forward.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ BLOCK = 128  # ids per block of the first ranking stage (V = 49,152 is 384 block
 LOGITS_CHUNK_BYTES = 1 << 29  # logits of one ranking chunk, in the model dtype: 512 MiB
 
 
-def rank_top_k_blocks(logits: torch.Tensor, k: int, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def rank_top_k_blocks(logits: torch.Tensor, k: int, block: int = BLOCK,
+                      block_max: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`rank_top_k` in two stages: ``k`` blocks of ``block`` ids first, then their ids.
 
     Why it is exact. Order ids by (logit descending, id ascending) and blocks by (block
@@ -50,6 +51,8 @@ def rank_top_k_blocks(logits: torch.Tensor, k: int, block: int = BLOCK) -> tuple
         k: ``1 <= k <= V``.
         block: ids per block; a row whose ``V`` is not a multiple is padded with ``-inf``
             at its end (higher ids, so they never displace a real id).
+        block_max: ``[n, ceil(V / block)]``, each block's maximum, if already computed
+            (:func:`block_max_and_logsumexp`).
 
     Returns:
         ``(ids [n, k] int64, values [n, k])`` equal to ``rank_top_k(logits, k)``; values in
@@ -63,7 +66,7 @@ def rank_top_k_blocks(logits: torch.Tensor, k: int, block: int = BLOCK) -> tuple
     if nb * block != V:
         x = torch.nn.functional.pad(logits, (0, nb * block - V), value=float("-inf"))
     xb = x.view(n, nb, block)
-    best = xb.amax(-1).sort(dim=-1, descending=True, stable=True).indices[:, :k]  # [n, k] blocks
+    best = (xb.amax(-1) if block_max is None else block_max).sort(dim=-1, descending=True, stable=True).indices[:, :k]  # [n, k] blocks
     blocks = best.sort(dim=-1).values  # in id order, so "lower candidate" means "lower id"
     cand = xb.gather(1, blocks.unsqueeze(-1).expand(n, k, block)).reshape(n, k * block)
     cand_ids = (blocks.unsqueeze(-1) * block + torch.arange(block, device=logits.device)).reshape(n, k * block)
@@ -75,7 +78,35 @@ def _logsumexp_float(x: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(x.float(), dim=-1)
 
 
+def _block_max_and_lse(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    n, V = x.shape
+    return x.view(n, V // BLOCK, BLOCK).amax(-1), torch.logsumexp(x.float(), dim=-1)
+
+
 _fused_logsumexp: Optional[Callable] = None
+_fused_first_stage: Optional[Callable] = None
+
+
+def block_max_and_logsumexp(logits: torch.Tensor) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+    """The first ranking stage and the log-normaliser from one read of the logits.
+
+    ``logits [n, V]`` (``V`` a multiple of :data:`BLOCK`, on CUDA) -> ``(block maxima [n,
+    V / BLOCK]`` in the logits' dtype, ``logsumexp [n]`` float32), one inductor kernel
+    (``torch.compile``, dynamic shapes). Elsewhere, or if compiling fails (logged once):
+    ``(None, row_logsumexp(logits))``, and :func:`rank_top_k_blocks` takes the maxima itself.
+    """
+    global _fused_first_stage
+    if not logits.is_cuda or logits.shape[1] % BLOCK:
+        return None, row_logsumexp(logits)
+    if _fused_first_stage is None:
+        _fused_first_stage = torch.compile(_block_max_and_lse, dynamic=True)
+    try:
+        return _fused_first_stage(logits)
+    except Exception as e:  # noqa: BLE001 - a compiler failure must not stop an extraction
+        log.warning("capture: the fused first ranking stage did not compile (%s); using eager ones",
+                    str(e).splitlines()[0])
+        _fused_first_stage = lambda x: (None, row_logsumexp(x, fused=False))  # noqa: E731
+        return _fused_first_stage(logits)
 
 
 def row_logsumexp(logits: torch.Tensor, fused: bool = True) -> torch.Tensor:
@@ -127,8 +158,9 @@ def top_k_logprobs(hidden: torch.Tensor, lm_head: torch.nn.Module, k: int,
     for a in range(0, N, rows):
         logits = lm_head(hidden[a : a + rows])  # [n, V], model dtype
         if fast:
-            i_, v = rank_top_k_blocks(logits, k)
-            lp = v.float() - row_logsumexp(logits).unsqueeze(-1)
+            bmax, lse = block_max_and_logsumexp(logits)
+            i_, v = rank_top_k_blocks(logits, k, block_max=bmax)
+            lp = v.float() - lse.unsqueeze(-1)
         else:
             logits = logits.float()
             i_, _ = rank_top_k(logits, k)
@@ -139,65 +171,54 @@ def top_k_logprobs(hidden: torch.Tensor, lm_head: torch.nn.Module, k: int,
 
 
 class HostCopies:
-    """Device-to-host copies of each batch's results that overlap the next batch's work.
+    """Device-to-host copies of each batch's results that overlap the next batches' work.
 
-    :meth:`submit` queues the copies of one batch's tensors into pinned buffers on a side
-    stream and returns at once; the batch is handed to its ``done`` callback (as pageable
-    CPU tensors) during the next :meth:`submit` or at :meth:`finish`, by which time the
-    copy has run beside the next batch's kernels. Two pinned buffer sets alternate, so the
-    host memory held is two batches' results, reused across calls. On a CPU device the
-    tensors are handed over at once (nothing to copy).
+    :meth:`submit` queues the copies of one batch's tensors into fresh pinned host tensors on
+    a side stream and returns at once; a batch is handed to its ``done`` callback, in order,
+    once its copy has finished (checked at each :meth:`submit`, waited for at
+    :meth:`finish`). The callback gets the pinned tensors themselves: a copy into pageable
+    memory cost the host more than the GPU's whole capture on one H100 (docs/performance.md).
+    Pinned blocks come from PyTorch's caching host allocator, so once a caller drops the
+    results of one call (extraction writes one shard, 256 MB by default), the next call
+    reuses them. On a CPU device the tensors are handed over at once (nothing to copy).
     """
 
     def __init__(self, device: torch.device):
-        self.device = device
         self.cuda = device.type == "cuda"
+        self.device = device
         self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self._buffers: list[list[torch.Tensor]] = [[], []]
-        self._turn = 0
-        self._pending: Optional[tuple] = None
-
-    def _pinned(self, slot: int, i: int, t: torch.Tensor) -> torch.Tensor:
-        bufs = self._buffers[slot]
-        need = t.numel() * t.element_size()
-        if i >= len(bufs) or bufs[i].numel() < need:
-            buf = torch.empty(max(need, 1 << 20), dtype=torch.uint8, pin_memory=True)
-            if i < len(bufs):
-                bufs[i] = buf
-            else:
-                bufs.append(buf)
-        return bufs[i][:need].view(t.dtype).view(t.shape)
+        self._pending: list[tuple] = []
 
     def submit(self, tensors: tuple[torch.Tensor, ...], done: Callable[..., None]) -> None:
-        """Queue ``tensors`` (on the device) for the host; ``done(*cpu_tensors)`` is called later."""
+        """Queue ``tensors`` (on the device) for the host; ``done(*host_tensors)`` is called later."""
         if not self.cuda:
             done(*tensors)
             return
-        slot = self._turn
-        self._turn ^= 1
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            hosts = tuple(self._pinned(slot, i, t).copy_(t, non_blocking=True) for i, t in enumerate(tensors))
+            hosts = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                          for t in tensors)
             event = torch.cuda.Event()
             event.record(self.stream)
-        self.finish()  # the previous batch: its copy ran beside this batch's kernels
-        self._pending = (event, tensors, hosts, done)  # `tensors` kept alive until the copy is done
+        self._pending.append((event, tensors, hosts, done))  # `tensors` kept alive until their copy is done
+        while self._pending and self._pending[0][0].query():
+            self._hand_over(self._pending.pop(0))
+
+    def _hand_over(self, item: tuple) -> None:
+        event, _, hosts, done = item
+        event.synchronize()
+        done(*hosts)
 
     def finish(self) -> None:
-        """Hand the batch still in flight to its callback (waits for its copy)."""
-        if self._pending is None:
-            return
-        event, _, hosts, done = self._pending
-        self._pending = None
-        event.synchronize()
-        # out of the pinned buffer (which the batch after next reuses) into pageable memory
-        done(*(torch.empty(h.shape, dtype=h.dtype).copy_(h) for h in hosts))
+        """Wait for every queued copy and hand each batch to its callback, in order."""
+        while self._pending:
+            self._hand_over(self._pending.pop(0))
 
     def drop(self) -> None:
-        """Forget the batch in flight (after an error, its results are not wanted)."""
-        if self._pending is not None:
-            self._pending[0].synchronize()
-        self._pending = None
+        """Forget the batches in flight (after an error, their results are not wanted)."""
+        for event, *_ in self._pending:
+            event.synchronize()
+        self._pending.clear()
 
 
 @contextlib.contextmanager
