@@ -107,3 +107,28 @@ def test_fused_first_stage_on_cuda_equals_its_eager_parts():
         assert torch.equal(bmax, x.view(n, -1, 128).amax(-1))
         assert torch.allclose(lse.double().cpu(), torch.logsumexp(x.double().cpu(), -1), atol=2e-5)
         assert torch.equal(rank_top_k_blocks(x, 20, block_max=bmax)[0], _stable_top_k(x, 20)[0])
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_engine_capture_fast_path_equals_the_reference_path(tiny_target_dir, tmp_path, device):
+    """A whole ``HFEngine.capture`` (several batches, so copies overlap on CUDA) against the
+    float32 reference path of the same engine: equal aux states and ids, log-probs to 1e-5."""
+    from eagle3.config import HFEngineConfig, ModelConfig
+    from eagle3.engines import build_engine
+
+    cfg = ModelConfig(name="tiny", source=str(tiny_target_dir), aux_layer_ids=[1, 4, 8])
+    engine = build_engine(cfg, HFEngineConfig(device=device, capture_batch_size=2, max_batch_tokens=128), tmp_path, None)
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(3, 49152, (int(n),), generator=g).tolist() for n in (60, 41, 33, 20, 9, 3, 1)]
+    fast = engine.capture(seqs, top_k=8)
+    engine.capture_fast = False
+    ref = engine.capture(seqs, top_k=8)
+    alone = [engine.capture([s], top_k=8)[0] for s in seqs]  # each sequence alone: its rows are its own
+    for s, a, b, c in zip(seqs, fast, ref, alone):
+        assert a.aux_hidden_states.shape == (len(s), 3, engine.target.hidden_size)
+        # bf16: another batch shape rounds differently, but rows of another sequence would be far off
+        x, y = a.aux_hidden_states.float(), c.aux_hidden_states.float()
+        assert (x - y).norm() <= 2e-2 * y.norm()
+        assert a.aux_hidden_states.device.type == "cpu" and a.topk_ids.dtype == torch.int32
+        assert torch.equal(a.aux_hidden_states, b.aux_hidden_states) and torch.equal(a.topk_ids, b.topk_ids)
+        assert torch.allclose(a.topk_logprobs, b.topk_logprobs, atol=1e-5)
