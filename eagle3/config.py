@@ -248,6 +248,10 @@ class LoopConfig:
     max_steps: Optional[int] = None  # optimizer steps; None = epochs over the data
     # length-bucketed batches up to this many padded tokens; None = 8192 on CUDA, 2048 on CPU
     max_tokens_per_batch: Optional[int] = None
+    # a batch's padded length (and its chain rows') is a multiple of this: fewer distinct batch
+    # shapes, at the cost of padding; each new shape costs a GPU's attention kernels a setup
+    # (benchmarks/train_shapes.py times the first steps' new shapes against repeated ones)
+    pad_multiple: int = 16
     grad_accum: int = 1
     mixed_precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | bf16 | no
     log_every: int = 10

@@ -29,10 +29,17 @@
 # CPU: no decoded difference, docs/results.md 2026-12-05): SWEEP="drafter.step_weight=0.8,1.0".
 # The loss's target temperature (0.2 / 0.5 / 2 validated worse than 1 on CPU, decoded tau unchanged):
 # SWEEP="drafter.target_temperature=0.5,1".
+# Longer training (untried at full size): near the end of a 4,272-step run the training batches agree
+# with the target about as often as validation does (top-1 0.749 against 0.728 at step 3,965,
+# docs/data/h200-2026-12-04-aux29/validation-aux29.txt), so the drafter is not overfitting; 10 epochs against 5 once bought +0.4 replay tau (docs/results.md,
+# 2026-12-03): TRAIN_OVERRIDES="loop.max_steps=8544" (about 730 s on one H200).
 # Drafter depth (the width was not the lever; a second decoder layer adds attention, and both
 # engines serve it, docs/results.md 2026-12-05 tenth session): SWEEP="drafter.num_layers=1,2".
 # bench_train_compile and bench_loader (not in the default STAGES): loop.compile_drafter and loop.fused_loss timed against eager,
 # and the batches/s the training data path delivers (is it what holds the first ~1,500 steps at 2-5 steps/s?).
+# bench_shapes (not in the default STAGES): is the slow start (the first ~500 steps at about a third of the
+# later rate) the attention kernels' setup for each new batch shape? benchmarks/train_shapes.py replays the
+# shapes of a run, padded to 16 or 128, with SDPA's cuDNN backend on and off.
 # bench_train_flex (not in the default STAGES): drafter.ttt_attention=flex (block-sparse TTT attention) checked
 # against the dense mask's gradients on the GPU, then timed against it on the Kimi-shaped drafter.
 # bench_regen (not in the default STAGES): benchmarks/regenerate_speed.py at batch 256. extract_gsm8k regenerates the train and validation splits that
@@ -162,6 +169,10 @@ for stage in $STAGES; do
     python -m pytest -q tests/test_ttt.py -k flex 2>&1 | tee "$RUN/bench_train_flex.log"
     python benchmarks/train_throughput.py --device cuda --model kimi --iters 5 --attention both --compile on --rounds 2 \
       --json "$RUN/bench_train_flex.json" 2>&1 | tee -a "$RUN/bench_train_flex.log"
+    ;;
+  bench_shapes)  # the first steps' new batch shapes against repeated ones, by loop.pad_multiple and SDPA backend
+    python benchmarks/train_shapes.py --device cuda --steps 600 --pad-multiple 16,128 --sdpa both \
+      --json "$RUN/bench_shapes.json" 2>&1 | tee "$RUN/bench_shapes.log"
     ;;
   bench_loader)  # the training data path, pinning and host-to-device copies included, in batches/s
     python benchmarks/train_loader.py --device cuda --samples 1024 --batches 48 --workers 0,4,8 2>&1 | tee "$RUN/bench_loader.log"

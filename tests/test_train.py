@@ -204,6 +204,28 @@ def test_the_ttt_attention_form_may_change_on_resume(tmp_path):
         torch.testing.assert_close(ea[k], eb[k], msg=k)
 
 
+def test_the_pad_multiple_changes_no_weight_and_may_change_on_resume(tmp_path):
+    """loop.pad_multiple pads each batch's length (and its chain rows) further; padding is masked
+    out of the loss, so a run padded to 1 and resumed padded to 64 ends at the drafter of an
+    unresumed run padded to 16 (float32 on CPU, up to rounding)."""
+    write_features(tmp_path / "f", n=30)
+    tgt, E = tiny_target(), embed()
+    over = {"loop.max_steps": 4}
+    train_drafter(make_cfg(tmp_path / "f", tmp_path / "a", **over), tgt, E)
+    early = train_drafter(make_cfg(tmp_path / "f", tmp_path / "b", **over,
+                                   **{"loop.time_limit_min": 1e-9, "loop.pad_multiple": 1}), tgt, E)
+    assert early["step"] == 1
+    rest = train_drafter(make_cfg(tmp_path / "f", tmp_path / "b", **over, **{"loop.pad_multiple": 64}), tgt, E)
+    assert (rest["step"], rest["launch_first_step"]) == (4, 1)
+    ea = load_file(str(tmp_path / "a" / "export" / "sglang" / "model.safetensors"))
+    eb = load_file(str(tmp_path / "b" / "export" / "sglang" / "model.safetensors"))
+    assert any(not torch.equal(ea[k], ea[k] * 0) for k in ea if ea[k].is_floating_point())
+    for k in ea:
+        torch.testing.assert_close(ea[k], eb[k], msg=k)
+    with pytest.raises(Eagle3Error, match="loop.pad_multiple"):
+        train_drafter(make_cfg(tmp_path / "f", tmp_path / "c", **over, **{"loop.pad_multiple": 0}), tgt, E)
+
+
 def test_target_temperature_reaches_the_loss_not_the_rows(tmp_path):
     """drafter.target_temperature changes the loss the run trains and validates on (sharper q: another
     KL), not which rows carry loss."""

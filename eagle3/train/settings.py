@@ -38,6 +38,7 @@ def _bad_setting(cfg: Any) -> Optional[str]:
         ("loop.max_steps", lp.max_steps, lp.max_steps is None or lp.max_steps >= 1, "must be >= 1 or null"),
         ("loop.max_tokens_per_batch", lp.max_tokens_per_batch,
          lp.max_tokens_per_batch is None or lp.max_tokens_per_batch >= 8, "must be >= 8 or null"),
+        ("loop.pad_multiple", lp.pad_multiple, 1 <= lp.pad_multiple <= 1024, "must be in 1..1024 (tokens)"),
         ("loop.grad_accum", lp.grad_accum, lp.grad_accum >= 1, "must be >= 1"),
         ("loop.log_every", lp.log_every, lp.log_every >= 1, "must be >= 1"),
         ("loop.save_every", lp.save_every, lp.save_every >= 1, "must be >= 1"),
