@@ -248,10 +248,7 @@ class LoopConfig:
     max_steps: Optional[int] = None  # optimizer steps; None = epochs over the data
     # length-bucketed batches up to this many padded tokens; None = 8192 on CUDA, 2048 on CPU
     max_tokens_per_batch: Optional[int] = None
-    # a batch's padded length (and its chain rows') is a multiple of this: fewer distinct batch
-    # shapes, at the cost of padding; each new shape costs a GPU's attention kernels a setup
-    # (benchmarks/train_shapes.py times the first steps' new shapes against repeated ones)
-    pad_multiple: int = 16
+    pad_multiple: int = 16  # batch lengths padded to a multiple: fewer shapes (benchmarks/train_shapes.py)
     grad_accum: int = 1
     mixed_precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | bf16 | no
     log_every: int = 10
@@ -263,10 +260,8 @@ class LoopConfig:
     # after the current optimizer step and finishes as at its last step (checkpoint, validation,
     # exports; metrics.json says so); resuming with a later budget continues the same schedule.
     time_limit_min: Optional[float] = None
-    # train on a seeded subset of this fraction of the training samples (nested: the 0.25 subset
-    # lies inside the 0.5 one), validation unchanged: a learning curve, what more data would buy
-    # (python train.py -m loop.train_fraction=0.25,0.5,1.0); the draft vocabulary is counted
-    # over the subset too
+    # train on a seeded, nested subset of this fraction of the training samples (validation unchanged,
+    # draft vocabulary counted over the subset): a learning curve (-m loop.train_fraction=0.25,0.5,1)
     train_fraction: float = 1.0
     # compile the drafter's norms and MLPs with inductor (eagle3/train/fused.py: fused elementwise
     # kernels, forward and backward); the weights and checkpoints are the eager drafter's, so a run

@@ -161,8 +161,7 @@ def build_run(cfg: Any, target: Any, embed: torch.Tensor, lm_head: Optional[torc
     _resume(accelerator, output_dir, state, total_steps)
 
     collator = TTTCollator(target_to_draft_index(d2t, target.vocab_size), cfg.drafter.ttt_steps, max_tokens,
-                           pad_multiple=int(cfg.loop.pad_multiple),
-                           target_temperature=getattr(cfg.drafter, "target_temperature", 1.0))
+                           int(cfg.loop.pad_multiple), getattr(cfg.drafter, "target_temperature", 1.0))
     val_batches = length_bucketed_batches(val_ds.lengths, max_tokens, cfg.seed, 0)
     val_batches = val_batches[accelerator.process_index :: accelerator.num_processes]
     if cfg.loop.tracker == "tensorboard":
