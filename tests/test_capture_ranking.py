@@ -16,7 +16,7 @@ def _stable_top_k(x: torch.Tensor, k: int):
     return ref.indices[:, :k], ref.values[:, :k]
 
 
-@pytest.mark.parametrize("V,block", [(96, 8), (100, 8), (49152, 128), (1000, 128)])
+@pytest.mark.parametrize("V,block", [(96, 8), (100, 8), (1000, 8), (49152, 128), (1000, 128)])
 @pytest.mark.parametrize("k", [1, 3, 20])
 def test_two_stage_ranking_equals_a_stable_sort_of_the_whole_row(V, block, k):
     g = torch.Generator().manual_seed(V + k)
@@ -42,7 +42,12 @@ def test_ranking_hand_case_ties_cross_the_block_boundary():
     assert rank_top_k_blocks(x, 4, block=1)[0].tolist() == [[1, 2, 3, 5]]
 
 
-def test_log_probs_of_the_fast_path_equal_float64_log_softmax():
+@pytest.mark.parametrize("chunk_bytes", [None, 4000])  # one chunk, or chunks of a few rows
+def test_log_probs_of_the_fast_path_equal_float64_log_softmax(monkeypatch, chunk_bytes):
+    import eagle3.engines.hf.capture as capture
+
+    if chunk_bytes:
+        monkeypatch.setattr(capture, "LOGITS_CHUNK_BYTES", chunk_bytes)  # 3000 x bf16: 1 row per chunk
     g = torch.Generator().manual_seed(0)
     H, V, N, k = 16, 3000, 37, 5
     head = torch.nn.Linear(H, V, bias=False).to(torch.bfloat16)
@@ -71,35 +76,74 @@ def test_host_copies_hand_each_batch_over_once_in_order():
     assert seen == [(0, 1), (1, 2), (2, 3)]
 
 
+def test_a_compiler_failure_falls_back_to_eager_once_and_out_of_memory_propagates(monkeypatch, caplog):
+    import logging
+
+    import eagle3.engines.hf.capture as capture
+
+    calls = []
+
+    def broken_compile(fn, dynamic=None):
+        def run(x):
+            calls.append(x.shape)
+            raise RuntimeError("inductor: no kernel for you")
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    monkeypatch.setattr(capture, "_COMPILED", {})
+    x = torch.randn(3, 256)
+    with caplog.at_level(logging.WARNING, logger="eagle3"):
+        got = capture._run_compiled("logsumexp", capture._logsumexp_float, x)
+        again = capture._run_compiled("logsumexp", capture._logsumexp_float, x)
+    assert torch.equal(got, torch.logsumexp(x, -1)) and torch.equal(again, got)
+    assert len(calls) == 1 and caplog.text.count("the compiled logsumexp failed (inductor: no kernel for you)") == 1
+
+    def out_of_memory(x):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+
+    monkeypatch.setattr(capture, "_COMPILED", {"logsumexp": out_of_memory})
+    with pytest.raises(torch.OutOfMemoryError):
+        capture._run_compiled("logsumexp", capture._logsumexp_float, x)
+    assert capture._COMPILED["logsumexp"] is out_of_memory  # not taken for a compiler failure
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned copies on a side stream need a GPU")
-def test_host_copies_on_cuda_arrive_intact_and_in_order():
+def test_host_copies_on_cuda_wait_for_their_kernels_and_arrive_in_order():
     seen = []
     copies = HostCopies(torch.device("cuda"))
+    w = torch.randn(2048, 2048, device="cuda") / 45
     want = []
     for b in range(4):
-        x = torch.randn(1000 + 100 * b, 3, 64, device="cuda").to(torch.bfloat16)
-        y = torch.randint(0, 9, (1000 + 100 * b, 5), device="cuda", dtype=torch.int32)
-        want.append((x.cpu(), y.cpu()))
-        copies.submit((x, y), lambda x, y, b=b: seen.append((b, x, y)))
-        del x, y  # the copier keeps the device tensors alive until their copy is done
+        x = torch.randn(2048, 2048, device="cuda")
+        for _ in range(20):  # a long kernel queue, no synchronisation before submit
+            x = torch.tanh(x @ w)
+        y = (x[:, :5] * 100).to(torch.int32)
+        copies.submit((x.to(torch.bfloat16), y), lambda x, y, b=b: seen.append((b, x, y)))
+        want.append((x.to(torch.bfloat16).clone(), y.clone()))  # queued after the producing kernels
+        del x, y  # the side stream holds their memory until the copy is done
     copies.finish()
     assert [b for b, _, _ in seen] == [0, 1, 2, 3]
     for (_, x, y), (wx, wy) in zip(seen, want):
-        assert x.device.type == "cpu" and torch.equal(x, wx) and torch.equal(y, wy)
+        assert x.device.type == "cpu" and torch.equal(x, wx.cpu()) and torch.equal(y, wy.cpu())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused logsumexp compiles for CUDA")
 def test_fused_logsumexp_on_cuda_equals_float64():
+    import eagle3.engines.hf.capture as capture
+
     g = torch.Generator().manual_seed(1)
     for n, V in ((7, 49152), (300, 32000), (1, 17)):
         x = (torch.randn(n, V, generator=g) * 4).to(torch.bfloat16).cuda()
         got = row_logsumexp(x, fused=True)
         assert got.dtype == torch.float32
+        assert capture._COMPILED["logsumexp"] is not capture._logsumexp_float  # still the compiled one
         assert torch.allclose(got.double().cpu(), torch.logsumexp(x.double().cpu(), -1), atol=2e-5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused first stage compiles for CUDA")
 def test_fused_first_stage_on_cuda_equals_its_eager_parts():
+    import eagle3.engines.hf.capture as capture
+
     g = torch.Generator().manual_seed(2)
     for n in (5, 300):
         x = (torch.randn(n, 49152, generator=g) * 4).to(torch.bfloat16).cuda()
@@ -107,6 +151,7 @@ def test_fused_first_stage_on_cuda_equals_its_eager_parts():
         assert torch.equal(bmax, x.view(n, -1, 128).amax(-1))
         assert torch.allclose(lse.double().cpu(), torch.logsumexp(x.double().cpu(), -1), atol=2e-5)
         assert torch.equal(rank_top_k_blocks(x, 20, block_max=bmax)[0], _stable_top_k(x, 20)[0])
+    assert capture._COMPILED["first ranking stage"] is not capture._block_max_and_lse  # still the compiled one
 
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))

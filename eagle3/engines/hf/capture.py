@@ -10,9 +10,10 @@ made capture cost 3-4 bare forward passes on one H200 (docs/performance.md). Her
   block of 128 ids, the ``k`` best blocks, then :func:`rank_top_k` over those ``k x 128``
   candidates only. The result is identical to :func:`rank_top_k` on the whole row (proof in
   the docstring).
-- :func:`row_logsumexp` is the float32 log-normaliser of each row, fused into one pass over the
-  bf16 logits on CUDA (``torch.compile``), so no float32 copy of a chunk is built; the log-probs
-  are ``logit - logsumexp``, which is ``log_softmax`` gathered at the ids.
+- :func:`block_max_and_logsumexp` computes the first stage's block maxima and the float32
+  log-normaliser of each row together, compiled on CUDA (``torch.compile``), so no float32 copy
+  of a chunk is built; the log-probs are ``logit - logsumexp``, which is ``log_softmax``
+  gathered at the ids.
 - :class:`HostCopies` moves each batch's results into pinned host memory on a side stream and
   hands them out once copied, so the device-to-host copies overlap the next batches' forward.
 """
@@ -83,52 +84,53 @@ def _block_max_and_lse(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x.view(n, V // BLOCK, BLOCK).amax(-1), torch.logsumexp(x.float(), dim=-1)
 
 
-_fused_logsumexp: Optional[Callable] = None
-_fused_first_stage: Optional[Callable] = None
+_COMPILED: dict[str, Callable] = {}  # name -> the compiled function, or the eager one after a failure
+
+
+def _run_compiled(name: str, fn: Callable, x: torch.Tensor):
+    """``fn(x)`` through ``torch.compile(fn, dynamic=True)``, compiled once per process (inductor
+    caches it on disk across processes). If compiling or running the compiled code fails for any
+    reason but out-of-memory, that is logged once and ``fn`` runs eagerly from then on; a
+    ``torch.OutOfMemoryError`` propagates (the capture's batch back-off handles it)."""
+    run = _COMPILED.get(name)
+    if run is None:
+        run = _COMPILED[name] = torch.compile(fn, dynamic=True)
+    try:
+        return run(x)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a compiler failure must not stop an extraction
+        why = (str(e).splitlines() or [type(e).__name__])[0]
+        log.warning("capture: the compiled %s failed (%s); running it eagerly", name, why)
+        _COMPILED[name] = fn
+        return fn(x)
 
 
 def block_max_and_logsumexp(logits: torch.Tensor) -> tuple[Optional[torch.Tensor], torch.Tensor]:
-    """The first ranking stage and the log-normaliser from one read of the logits.
+    """The first ranking stage and the log-normaliser, compiled together.
 
-    ``logits [n, V]`` (``V`` a multiple of :data:`BLOCK`, on CUDA) -> ``(block maxima [n,
-    V / BLOCK]`` in the logits' dtype, ``logsumexp [n]`` float32), one inductor kernel
-    (``torch.compile``, dynamic shapes). Elsewhere, or if compiling fails (logged once):
-    ``(None, row_logsumexp(logits))``, and :func:`rank_top_k_blocks` takes the maxima itself.
+    ``logits [n, V]`` (on CUDA, ``V`` a multiple of :data:`BLOCK`) -> ``(block maxima [n,
+    V / BLOCK]`` in the logits' dtype, ``logsumexp [n]`` float32), compiled by inductor
+    (:func:`_run_compiled`): the float32 cast is fused into the reduction, so no float32 copy of
+    the chunk is built. Elsewhere ``(None, row_logsumexp(logits))``, and
+    :func:`rank_top_k_blocks` takes the maxima itself.
     """
-    global _fused_first_stage
     if not logits.is_cuda or logits.shape[1] % BLOCK:
         return None, row_logsumexp(logits)
-    if _fused_first_stage is None:
-        _fused_first_stage = torch.compile(_block_max_and_lse, dynamic=True)
-    try:
-        return _fused_first_stage(logits)
-    except Exception as e:  # noqa: BLE001 - a compiler failure must not stop an extraction
-        log.warning("capture: the fused first ranking stage did not compile (%s); using eager ones",
-                    str(e).splitlines()[0])
-        _fused_first_stage = lambda x: (None, row_logsumexp(x, fused=False))  # noqa: E731
-        return _fused_first_stage(logits)
+    return _run_compiled("first ranking stage", _block_max_and_lse, logits)
 
 
 def row_logsumexp(logits: torch.Tensor, fused: bool = True) -> torch.Tensor:
     """``logsumexp`` of each row in float32: ``[n, V]`` (any float dtype) -> ``[n]`` float32.
 
-    On CUDA with ``fused`` the float32 cast and the reduction are one inductor kernel
-    (``torch.compile``, dynamic shapes: one compilation per process, cached on disk by
-    inductor across processes); elsewhere, or if compiling fails (logged once), the eager
-    ``torch.logsumexp(logits.float())``. ``logits[i, j] - row_logsumexp(logits)[i]`` is
-    float32 ``log_softmax(logits.float())[i, j]`` up to float32 rounding.
+    On CUDA with ``fused`` the float32 cast is fused into the reduction (:func:`_run_compiled`);
+    elsewhere the eager ``torch.logsumexp(logits.float())``. ``logits[i, j] -
+    row_logsumexp(logits)[i]`` is float32 ``log_softmax(logits.float())[i, j]`` up to float32
+    rounding.
     """
-    global _fused_logsumexp
     if not (fused and logits.is_cuda):
         return _logsumexp_float(logits)
-    if _fused_logsumexp is None:
-        _fused_logsumexp = torch.compile(_logsumexp_float, dynamic=True)
-    try:
-        return _fused_logsumexp(logits)
-    except Exception as e:  # noqa: BLE001 - a compiler failure must not stop an extraction
-        log.warning("capture: the fused logsumexp did not compile (%s); using the eager one", str(e).splitlines()[0])
-        _fused_logsumexp = _logsumexp_float
-        return _logsumexp_float(logits)
+    return _run_compiled("logsumexp", _logsumexp_float, logits)
 
 
 def top_k_logprobs(hidden: torch.Tensor, lm_head: torch.nn.Module, k: int,
@@ -180,7 +182,9 @@ class HostCopies:
     memory cost the host more than the GPU's whole capture on one H100 (docs/performance.md).
     Pinned blocks come from PyTorch's caching host allocator, so once a caller drops the
     results of one call (extraction writes one shard, 256 MB by default), the next call
-    reuses them. On a CPU device the tensors are handed over at once (nothing to copy).
+    reuses them. The device tensors are marked as used by the side stream
+    (``record_stream``), so their memory returns to the allocator once their copy is done, while
+    the next batch runs. On a CPU device the tensors are handed over at once (nothing to copy).
     """
 
     def __init__(self, device: torch.device):
@@ -198,14 +202,16 @@ class HostCopies:
         with torch.cuda.stream(self.stream):
             hosts = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
                           for t in tensors)
+            for t in tensors:  # their memory is reused only once the copy is done, not kept until then
+                t.record_stream(self.stream)
             event = torch.cuda.Event()
             event.record(self.stream)
-        self._pending.append((event, tensors, hosts, done))  # `tensors` kept alive until their copy is done
-        while self._pending and self._pending[0][0].query():
+        while self._pending and self._pending[0][0].query():  # earlier batches first
             self._hand_over(self._pending.pop(0))
+        self._pending.append((event, hosts, done))
 
     def _hand_over(self, item: tuple) -> None:
-        event, _, hosts, done = item
+        event, hosts, done = item
         event.synchronize()
         done(*hosts)
 
