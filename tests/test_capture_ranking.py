@@ -67,6 +67,24 @@ def test_log_probs_of_the_fast_path_equal_float64_log_softmax(monkeypatch, chunk
     assert lse.dtype == torch.float32 and torch.allclose(lse.double(), torch.logsumexp(logits.double(), -1), atol=2e-6)
 
 
+def test_a_final_logit_softcap_is_applied_before_ranking_and_normalising():
+    """Gemma 2 / 3 cap their logits in the forward (``final_logit_softcapping``); capture must see
+    the capped logits: the reference is float64 ``log_softmax`` of ``cap * tanh(logits / cap)``."""
+    g = torch.Generator().manual_seed(3)
+    head = torch.nn.Linear(8, 500, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(500, 8, generator=g) * 20)  # logits far beyond the cap
+    h = torch.randn(6, 8, generator=g)
+    with torch.no_grad():
+        ids, lp = top_k_logprobs(h, head, 4, softcap=30.0)
+        capped = torch.tanh(head(h) / 30.0) * 30.0
+        plain_ids, plain_lp = top_k_logprobs(h, head, 4)
+    ref = torch.log_softmax(capped.double(), -1)
+    assert torch.equal(ids.long(), _stable_top_k(capped, 4)[0])
+    assert torch.allclose(lp.double(), ref.gather(-1, ids.long()), atol=1e-5)
+    assert not torch.allclose(lp, plain_lp, atol=1e-2)  # the cap matters at these logits
+
+
 def test_host_copies_hand_each_batch_over_once_in_order():
     seen = []
     copies = HostCopies(torch.device("cpu"))

@@ -67,7 +67,8 @@ def rank_top_k_blocks(logits: torch.Tensor, k: int, block: int = BLOCK,
     if nb * block != V:
         x = torch.nn.functional.pad(logits, (0, nb * block - V), value=float("-inf"))
     xb = x.view(n, nb, block)
-    best = (xb.amax(-1) if block_max is None else block_max).sort(dim=-1, descending=True, stable=True).indices[:, :k]  # [n, k] blocks
+    maxima = xb.amax(-1) if block_max is None else block_max  # [n, nb]
+    best = maxima.sort(dim=-1, descending=True, stable=True).indices[:, :k]  # [n, k] blocks
     blocks = best.sort(dim=-1).values  # in id order, so "lower candidate" means "lower id"
     cand = xb.gather(1, blocks.unsqueeze(-1).expand(n, k, block)).reshape(n, k * block)
     cand_ids = (blocks.unsqueeze(-1) * block + torch.arange(block, device=logits.device)).reshape(n, k * block)
@@ -133,8 +134,8 @@ def row_logsumexp(logits: torch.Tensor, fused: bool = True) -> torch.Tensor:
     return _run_compiled("logsumexp", _logsumexp_float, logits)
 
 
-def top_k_logprobs(hidden: torch.Tensor, lm_head: torch.nn.Module, k: int,
-                   fast: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def top_k_logprobs(hidden: torch.Tensor, lm_head: torch.nn.Module, k: int, fast: bool = True,
+                   softcap: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's top-k next tokens and their log-probs at each of ``N`` positions.
 
     ``lm_head`` runs on chunks of rows (at most ``LOGITS_CHUNK_BYTES`` of logits in the model
@@ -148,6 +149,8 @@ def top_k_logprobs(hidden: torch.Tensor, lm_head: torch.nn.Module, k: int,
             as ``logit - row_logsumexp``; ``False`` is the reference path (float32 copy,
             :func:`rank_top_k` over the whole row, ``log_softmax``), kept for tests and the
             benchmark. Both give the same ids and log-probs to float32 rounding.
+        softcap: the model's ``final_logit_softcapping`` (Gemma 2 and 3), applied as its forward
+            does: ``softcap * tanh(logits / softcap)`` in the model dtype; ``None``: none.
 
     Returns:
         ``(ids [N, k] int32, logprobs [N, k] float32)`` on ``hidden``'s device.
@@ -159,6 +162,8 @@ def top_k_logprobs(hidden: torch.Tensor, lm_head: torch.nn.Module, k: int,
     rows = max(1, LOGITS_CHUNK_BYTES // (hidden.element_size() * V))
     for a in range(0, N, rows):
         logits = lm_head(hidden[a : a + rows])  # [n, V], model dtype
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
         if fast:
             bmax, lse = block_max_and_logsumexp(logits)
             i_, v = rank_top_k_blocks(logits, k, block_max=bmax)

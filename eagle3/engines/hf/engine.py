@@ -346,8 +346,9 @@ class HFEngine(Engine):
             B, T, H = hidden.shape
             aux = torch.stack([store[k].reshape(B * T, H).index_select(0, rows) for k in self.target.aux_layer_ids],
                               dim=1).to(torch.bfloat16)  # [N, 3, H]
+            softcap = getattr(self.model.config, "final_logit_softcapping", None)  # Gemma 2 / 3
             top_ids, top_lp = top_k_logprobs(hidden.reshape(B * T, H).index_select(0, rows), self._lm_head, top_k,
-                                             fast=self.capture_fast)
+                                             self.capture_fast, softcap)
 
             def done(aux, top_ids, top_lp, idx=idx):
                 start = 0
