@@ -222,7 +222,8 @@ def test_bf16_cast_keeps_rotary_frequencies_exact():
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
 def test_grouped_query_attention_in_the_kernel_equals_repeated_keys(monkeypatch, device):
     """``GQA_IN_KERNEL``: SDPA's ``enable_gqa`` against ``repeat_kv`` copies, the reference
-    from-scratch forward, and a training-time-test unroll's loss and gradients (float32)."""
+    from-scratch forward, and a training-time-test unroll's loss and gradients (float32); without
+    autograd (decoding) the copies stay."""
     import benchmarks.train_throughput as bench
     import eagle3.train.drafter as drafter_module
     from eagle3.train.ttt import batch_to
@@ -236,12 +237,19 @@ def test_grouped_query_attention_in_the_kernel_equals_repeated_keys(monkeypatch,
     for on in (False, True):
         monkeypatch.setattr(drafter_module, "GQA_IN_KERNEL", on)
         m.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            logits = m(ids, fused, pos).logits[0]
+        logits = m(ids, fused, pos).logits[0].detach()  # autograd on: the path GQA_IN_KERNEL selects
         out = ttt_forward(m.train(), batch, 3)
         out.loss.backward()
         m.eval()
         got[on] = (logits, out.loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
+    calls = []
+    real_sdpa = drafter_module.F.scaled_dot_product_attention
+    monkeypatch.setattr(drafter_module.F, "scaled_dot_product_attention",
+                        lambda *a, **kw: calls.append(kw.get("enable_gqa", False)) or real_sdpa(*a, **kw))
+    with torch.no_grad():
+        m(ids, fused, pos)
+    m(ids, fused, pos)
+    assert calls == [False, True]
     ref_logits, _ = reference_forward(m.cpu(), ids[0].cpu(), fused[0].cpu(), pos[0].cpu())
     torch.testing.assert_close(got[True][0].double().cpu(), ref_logits, atol=1e-4, rtol=1e-4)
     tol = {"atol": 1e-6, "rtol": 1e-5} if device == "cpu" else {"atol": 2e-5, "rtol": 1e-4}  # other CUDA kernels

@@ -37,10 +37,12 @@ from transformers.models.llama.modeling_llama import (
     repeat_kv,
 )
 
-#: grouped-query attention inside SDPA (``enable_gqa``) instead of ``repeat_kv`` copies of the
-#: keys and values: the same attention (``tests/test_drafter.py``, CPU and CUDA). Timed on one
-#: H100 for the Kimi-K2.5-shaped drafter (``benchmarks/train_throughput.py --gqa both``): the
-#: same step time (ratio 0.986 and 0.997) and 3.0 GB less peak memory (docs/performance.md).
+#: in training (autograd on), grouped-query attention inside SDPA (``enable_gqa``) instead of
+#: ``repeat_kv`` copies of the keys and values, which the backward pass would keep: the same
+#: attention (``tests/test_drafter.py``, CPU and CUDA). Timed on one H100 for the Kimi-K2.5-shaped
+#: drafter (``benchmarks/train_throughput.py --gqa both``): the same step time (ratio 0.986 and
+#: 0.997) and 3.0 GB less peak memory (docs/performance.md). Decoding (no autograd: the copies
+#: are transient) keeps the kernels its speed was measured with.
 GQA_IN_KERNEL = True
 
 
@@ -167,7 +169,7 @@ class DrafterAttention(nn.Module):
             else:  # causal with a prefix: query i sits at absolute index past+i
                 q_abs = torch.arange(past, past + T, device=x.device)
                 attention_mask = (torch.arange(S, device=x.device)[None, :] <= q_abs[:, None])[None, None]
-        if GQA_IN_KERNEL and rep > 1:  # the kernel reads kv head h // rep for query head h
+        if GQA_IN_KERNEL and rep > 1 and torch.is_grad_enabled():  # kv head h // rep for query head h
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, is_causal=is_causal, enable_gqa=True)
         else:
             k, v = repeat_kv(k, rep), repeat_kv(v, rep)  # [B, h, S, d] (every SDPA kernel accepts it)
