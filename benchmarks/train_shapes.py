@@ -141,28 +141,30 @@ def main(argv=None) -> list[dict]:
         print(json.dumps(run_variant(args)))
         return []
     sdpas = ["default", "no-cudnn"] if args.sdpa == "both" else [args.sdpa]
+    fmt = (lambda v: f"{v:.1f}" if v is not None else "-")
     results = []
     for pad in [int(x) for x in args.pad_multiple.split(",")]:
         for sdpa in sdpas:
             cmd = [sys.executable, os.path.abspath(__file__), *(argv if argv is not None else sys.argv[1:]),
                    "--variant", f"{pad}:{sdpa}"]
-            r = subprocess.run(cmd, capture_output=True, text=True)
-            if r.returncode != 0:
-                raise SystemExit(f"variant pad {pad}, {sdpa} failed:\n{r.stderr[-3000:]}")
-            results.append(json.loads(r.stdout.strip().splitlines()[-1]))
-    print(f"\n{args.model} drafter, {args.steps} steps of <= {args.max_tokens} tokens, TTT {args.ttt_steps}, "
-          f"lengths log-normal mean {args.length_mean:g}, on {results[0]['device']}")
-    print("| pad multiple | SDPA | distinct shapes | steps on a new shape | new-shape step ms (median) "
-          "| repeated-shape step ms (median) | replay s | padding |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
-    for r in results:
-        fmt = (lambda v: f"{v:.1f}" if v is not None else "-")
-        print(f"| {r['pad_multiple']} | {r['sdpa']} | {r['distinct_shapes']} | {r['new_shape_steps']} | "
-              f"{fmt(r['new_shape_median_ms'])} | {fmt(r['repeat_median_ms'])} | {r['replay_s']:.1f} | "
-              f"{100 * (r['padded_tokens'] / r['real_tokens'] - 1):.1f}% |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise SystemExit(f"variant pad {pad}, {sdpa} failed:\n{proc.stderr[-3000:]}")
+            results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            if len(results) == 1:  # each row as its variant ends: a run stopped by a time limit keeps them
+                print(f"\n{args.model} drafter, {args.steps} steps of <= {args.max_tokens} tokens, TTT {args.ttt_steps}, "
+                      f"lengths log-normal mean {args.length_mean:g}, on {results[0]['device']}")
+                print("| pad multiple | SDPA | distinct shapes | steps on a new shape | new-shape step ms (median) "
+                      "| repeated-shape step ms (median) | replay s | padding |")
+                print("|---|---|---:|---:|---:|---:|---:|---:|")
+            r = results[-1]
+            print(f"| {r['pad_multiple']} | {r['sdpa']} | {r['distinct_shapes']} | {r['new_shape_steps']} | "
+                  f"{fmt(r['new_shape_median_ms'])} | {fmt(r['repeat_median_ms'])} | {r['replay_s']:.1f} | "
+                  f"{100 * (r['padded_tokens'] / r['real_tokens'] - 1):.1f}% |", flush=True)
+            if args.json:
+                with open(args.json + ".tmp", "w") as f:
+                    json.dump(results, f, indent=1)
+                os.replace(args.json + ".tmp", args.json)
     return results
 
 
