@@ -327,6 +327,23 @@ def test_pair_summary_tau_and_speedup_from_hand_computed_counters():
     assert s["requests_where_counters_differ_from_tokens"] == 0
 
 
+def test_a_claimed_speed_up_is_no_warning_but_an_unclaimable_one_and_a_changed_output_are():
+    from eagle3.evaluate.served_vllm_results import benchmark_warnings
+
+    # every prompt 2x faster (interval [2, 2]): a result, not a warning
+    fast = [_pair(s, _c(range(10), lat=2.0), _c(range(10), lat=1.0), drafts=4, acc=5, per=[3, 2, 0]) for s in "abcd"]
+    assert benchmark_warnings("x", pair_summary(fast, depth=3, seed=0)) == []
+    # ratios 2, 0.5, 2, 0.5: the interval contains 1.0; and prompt d's output differs at position 1
+    mixed = [_pair("a", _c(range(10), lat=2.0), _c(range(10), lat=1.0)),
+             _pair("b", _c(range(10), lat=1.0), _c(range(10), lat=2.0)),
+             _pair("c", _c(range(10), lat=2.0), _c(range(10), lat=1.0)),
+             _pair("d", _c([5, 6, 7], lat=1.0), _c([5, 9, 7], lat=2.0))]
+    w = benchmark_warnings("y", pair_summary(mixed, depth=3, seed=0))
+    assert len(w) == 2
+    assert w[0].startswith("y: 1 of 4 prompts differ from the baseline's greedy output; first mismatch")
+    assert w[1].startswith("y: no measurable speed-up: x") and w[1].endswith("at batch 1 over 4 prompts")
+
+
 def test_the_batch1_pairs_are_the_concurrency_1_row():
     # two benchmarks; baseline: (10 + 6) tokens in (2.0 + 1.0) s; speculative: (10 + 6) in (1.0 + 1.5) s
     from eagle3.evaluate.served_vllm_measure import pairs_as_sweep

@@ -189,7 +189,8 @@ def assemble(cfg: Any, settings, pairs: dict, sweep: dict, desc: dict, concurren
              warnings: list[str], diagnosis: Optional[dict] = None) -> dict:
     """The results dict from the measures (the report's shape, ``engine: vllm``); ``diagnosis``:
     the near-tie test of the greedy mismatches (:func:`eagle3.evaluate.served_vllm_measure.diagnose_mismatches`)."""
-    from eagle3.evaluate.served_vllm_results import benchmark_verdict, concurrency_table, pair_summary
+    from eagle3.evaluate.served_vllm_results import (benchmark_verdict, benchmark_warnings, concurrency_table,
+                                                     pair_summary)
 
     spec_eff = desc["speculative"]["effective"]
     depth = int((spec_eff.get("speculative_config") or {}).get("num_speculative_tokens") or settings.num_steps)
@@ -205,13 +206,7 @@ def assemble(cfg: Any, settings, pairs: dict, sweep: dict, desc: dict, concurren
         b["concurrency"] = per[n]
         b["verdict"], b["verdict_notes"] = benchmark_verdict(b, spec_eff.get("max_num_seqs"))
         benches[n] = b
-        if b["lossless_matches"] < b["lossless_checked"]:
-            ties = b.get("lossless_near_ties")
-            warnings.append(f"{n}: {b['lossless_checked'] - b['lossless_matches']} of {b['lossless_checked']} prompts "
-                            f"differ from the baseline's greedy output"
-                            + (f" ({ties} only at rounding ties of the baseline's two best logits)" if ties else "")
-                            + f"; first mismatch {b['lossless_first_mismatch']}")
-        warnings.append(f"{n}: {b['speedup_statement']} at batch 1 over {len(b['speedup_per_prompt'])} prompts")
+        warnings.extend(benchmark_warnings(n, b))
     return {
         "engine": "vllm",
         "benchmarks": benches,

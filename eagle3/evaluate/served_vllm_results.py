@@ -58,6 +58,26 @@ def speedup_statement(med: Optional[float], ci: Optional[tuple[float, float]]) -
     return f"speed-up {span}" if ci[0] > 1.0 else f"slower: {span}"
 
 
+def benchmark_warnings(name: str, b: dict) -> list[str]:
+    """The report's warnings for one benchmark's summary (``b`` from :func:`pair_summary`).
+
+    Two kinds: prompts whose speculative greedy output differs from the baseline server's (how
+    many of them only at rounding ties), and a speed-up that cannot be claimed (its 95% interval
+    contains 1.0, or too few prompts for one) or a slow-down. A speed-up whose interval lies
+    above 1.0 is a result, reported in the table, not a warning.
+    """
+    out = []
+    if b["lossless_matches"] < b["lossless_checked"]:
+        ties = b.get("lossless_near_ties")
+        out.append(f"{name}: {b['lossless_checked'] - b['lossless_matches']} of {b['lossless_checked']} prompts "
+                   f"differ from the baseline's greedy output"
+                   + (f" ({ties} only at rounding ties of the baseline's two best logits)" if ties else "")
+                   + f"; first mismatch {b['lossless_first_mismatch']}")
+    if not b["speedup_statement"].startswith("speed-up "):
+        out.append(f"{name}: {b['speedup_statement']} at batch 1 over {len(b['speedup_per_prompt'])} prompts")
+    return out
+
+
 def _per_prompt(pairs: list[Pair]) -> dict[str, dict[str, list]]:
     by: dict[str, dict[str, list]] = {}
     for p in pairs:
