@@ -15,9 +15,12 @@ import multiprocessing as mp
 import sys
 from typing import Any, Sequence
 
-from eagle3.errors import Eagle3Error
+from eagle3.errors import Eagle3Error, GPUMemoryError
 
 log = logging.getLogger("eagle3")
+
+EXIT_USER_ERROR = 2  # an Eagle3Error: a setting to change; starting the worker again would fail again
+EXIT_GPU_MEMORY = 3  # a GPUMemoryError: out of GPU memory at the smallest batches, often another replica's doing
 
 
 def _entry(fn_path: str, cfg: Any, worker: int, threads: int) -> None:
@@ -31,7 +34,7 @@ def _entry(fn_path: str, cfg: Any, worker: int, threads: int) -> None:
         fn(cfg)
     except Eagle3Error as e:
         print(f"error (worker {worker}): {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(EXIT_GPU_MEMORY if isinstance(e, GPUMemoryError) else EXIT_USER_ERROR)
 
 
 def run_workers(fn_path: str, cfgs: Sequence[Any], what: str, retries: int = 0) -> None:
@@ -39,8 +42,10 @@ def run_workers(fn_path: str, cfgs: Sequence[Any], what: str, retries: int = 0) 
 
     A worker that died of something other than a setting the user must fix (exit code 2,
     an :class:`~eagle3.errors.Eagle3Error`) is started again, alone with the others that
-    failed, up to ``retries`` times: a CUDA out-of-memory error among replicas sharing one
-    GPU, or a process killed by the host, usually passes once the other workers are done.
+    failed, up to ``retries`` times: out of GPU memory among replicas sharing one GPU (exit
+    code 3, a :class:`~eagle3.errors.GPUMemoryError` after the batch limits were halved to
+    their floor), or a process killed by the host, usually passes once the other workers are
+    done.
     The stage function must resume from the work it finished (extraction does).
 
     Args:
@@ -72,7 +77,7 @@ def run_workers(fn_path: str, cfgs: Sequence[Any], what: str, retries: int = 0) 
                 p.terminate()
             raise
         failed = [(w, p.exitcode) for w, p in procs.items() if p.exitcode != 0]
-        retryable = [w for w, code in failed if code != 2]
+        retryable = [w for w, code in failed if code != EXIT_USER_ERROR]
         if not failed or len(retryable) < len(failed) or attempt == retries:
             break
         todo = retryable

@@ -17,7 +17,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from eagle3.errors import Eagle3Error
+from eagle3.errors import GPUMemoryError
 
 log = logging.getLogger("eagle3")
 
@@ -44,7 +44,7 @@ def run_in_batches(limits: dict, keys: tuple[str, ...], lengths: list[int],
         progress: wraps each plan's batches (a progress bar).
 
     Raises:
-        Eagle3Error: out of memory again after ``MAX_HALVINGS`` halvings (fewer replicas on
+        GPUMemoryError: out of memory again after ``MAX_HALVINGS`` halvings (fewer replicas on
             the GPU, or lower the limits, is the fix); other errors propagate unchanged.
     """
     done = [False] * len(lengths)
@@ -68,7 +68,7 @@ def run_in_batches(limits: dict, keys: tuple[str, ...], lengths: list[int],
         halvings += 1
         now = ", ".join(f"{k}={limits[k]}" for k in keys)
         if halvings > MAX_HALVINGS:
-            raise Eagle3Error(
+            raise GPUMemoryError(
                 f"{what} ran out of GPU memory on a batch of {len(idx)} item(s) (longest {max(lengths[i] for i in idx)} "
                 f"tokens) even at {now}, after {MAX_HALVINGS} halvings: run fewer replicas on this GPU "
                 f"(parallel.workers, or other jobs), or lower capture.max_length ({message})"
