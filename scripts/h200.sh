@@ -29,10 +29,8 @@
 # CPU: no decoded difference, docs/results.md 2026-12-05): SWEEP="drafter.step_weight=0.8,1.0".
 # The loss's target temperature (0.2 / 0.5 / 2 validated worse than 1 on CPU, decoded tau unchanged):
 # SWEEP="drafter.target_temperature=0.5,1".
-# Longer training (untried at full size): near the end of a 4,272-step run the training batches agree
-# with the target about as often as validation does (top-1 0.749 against 0.728 at step 3,965,
-# docs/data/h200-2026-12-04-aux29/validation-aux29.txt), so the drafter is not overfitting; 10 epochs against 5 once bought +0.4 replay tau (docs/results.md,
-# 2026-12-03): TRAIN_OVERRIDES="loop.max_steps=8544" (about 730 s on one H200).
+# Longer training (tried 2026-12-05, fifteenth session, one H100: 8,544 steps against 4,272 moved held-out
+# tau by -0.11 to +0.08, inside every interval; docs/results.md): TRAIN_OVERRIDES="loop.max_steps=8544".
 # Drafter depth (the width was not the lever; a second decoder layer adds attention, and both
 # engines serve it, docs/results.md 2026-12-05 tenth session): SWEEP="drafter.num_layers=1,2".
 # bench_train_compile and bench_loader (not in the default STAGES): loop.compile_drafter and loop.fused_loss timed against eager,
