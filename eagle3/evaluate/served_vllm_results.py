@@ -73,7 +73,8 @@ def benchmark_warnings(name: str, b: dict) -> list[str]:
                    f"differ from the baseline's greedy output"
                    + (f" ({ties} only at rounding ties of the baseline's two best logits)" if ties else "")
                    + f"; first mismatch {b['lossless_first_mismatch']}")
-    if not b["speedup_statement"].startswith("speed-up "):
+    ci = b.get("speedup_ci95")
+    if not (ci and ci[0] > 1.0):  # no interval, one containing 1.0, or a slow-down
         out.append(f"{name}: {b['speedup_statement']} at batch 1 over {len(b['speedup_per_prompt'])} prompts")
     return out
 
