@@ -19,7 +19,9 @@ the decode step replayed from a CUDA graph, nothing compiled) and, with ``--comp
 under an SDPA backend list without cuDNN attention (flash, memory-efficient, math), to
 measure what the explicit mask costs cuDNN (``docs/performance.md``, compiled layers);
 ``graphs_compiled_sdpa_eager`` compiles the layers but keeps the SDPA call eager between the
-compiled pieces (``compile_decoder_layers(..., attention_in_graph=False)``). The first
+compiled pieces (``compile_decoder_layers(..., attention_in_graph=False)``); ``graphs_gqa`` and
+``graphs_compiled_gqa`` are ``graphs`` and ``graphs_compiled_sdpa_eager`` with the folded GQA
+attention (:mod:`eagle3.gqa`: no ``repeat_kv`` copies of the cache). The first
 repeat compiles and is not reported. Prints generated tokens/s (median over repeats,
 min-max), the ratio to ``hf_static`` and how many rows equal ``hf_eager``'s.
 """
@@ -82,20 +84,26 @@ def main(argv=None) -> dict:
 
     capacity = B * (-(-(T + N) // SLOT_MULTIPLE) * SLOT_MULTIPLE)
 
-    def graphs_method(compiled: bool, no_cudnn: bool, attention_in_graph: bool = True):
+    def graphs_method(compiled: bool, no_cudnn: bool, attention_in_graph: bool = True, fold: bool = False):
         """The batched graph decoder, on the target or on a copy whose layers are compiled;
         ``no_cudnn``: every call (graph capture and compilation included) under an SDPA
-        backend list without cuDNN attention, which takes the explicit mask as a dense bias."""
+        backend list without cuDNN attention, which takes the explicit mask as a dense bias;
+        ``fold``: on a copy attending with the folded GQA attention (eagle3.gqa)."""
         import contextlib
         import copy
 
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         target = model
+        if fold:
+            from eagle3.engines.hf.attention import use_gqa_sdpa
+
+            target = copy.deepcopy(model)
+            use_gqa_sdpa(target)
         if compiled:
             from eagle3.spec.compiled import compile_decoder_layers
 
-            target = copy.deepcopy(model)
+            target = copy.deepcopy(target)
             compile_decoder_layers(target, attention_in_graph=attention_in_graph)
         dec = BatchDecoder(target, capacity=capacity)
         backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -113,11 +121,13 @@ def main(argv=None) -> dict:
 
     methods = {"hf_eager": lambda: call(False, 1), "hf_static": lambda: call(True, 1),
                "engine": lambda: call(engine_static, STATIC_WIDTH_MULTIPLE if engine_static else 1),
-               "graphs": graphs_method(False, False), "graphs_nocudnn": graphs_method(False, True)}
+               "graphs": graphs_method(False, False), "graphs_nocudnn": graphs_method(False, True),
+               "graphs_gqa": graphs_method(False, False, fold=True)}
     if a.compile_layers:  # the same decoder on copies of the target whose layers are compiled
         methods["graphs_compiled"] = graphs_method(True, False)
         methods["graphs_compiled_nocudnn"] = graphs_method(True, True)
         methods["graphs_compiled_sdpa_eager"] = graphs_method(True, False, attention_in_graph=False)
+        methods["graphs_compiled_gqa"] = graphs_method(True, False, attention_in_graph=False, fold=True)
     names = list(methods)
     if a.methods:
         keep = {"hf_eager", "hf_static", *a.methods.split(",")}

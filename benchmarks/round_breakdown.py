@@ -40,12 +40,27 @@ def main(argv=None) -> dict:
                     help="KV slots of the static caches (default prompt + 64; evaluation's are 2183)")
     ap.add_argument("--min-span", type=int, default=256,
                     help="smallest attention span (SlotCache.span_for); 0 = attend over all slots")
+    ap.add_argument("--gqa-fold", action="store_true",
+                    help="target and drafter attend with the query heads folded into the query axis (eagle3.gqa)")
+    ap.add_argument("--compile-layers", action="store_true",
+                    help="compile the target's and the drafter's decoder layers (engine.compile_layers=true)")
     a = ap.parse_args(argv)
     dev = torch.device("cuda" if a.device == "auto" and torch.cuda.is_available() else
                        ("cpu" if a.device == "auto" else a.device))
     target = _target(a, dev, getattr(torch, a.dtype))
     aux_ids = _aux_ids(target.config.num_hidden_layers)
     drafter = _drafter(target, a.draft_vocab, dev, getattr(torch, a.dtype), a.drafter_layers)
+    if a.gqa_fold:
+        from eagle3.engines.hf.attention import use_gqa_sdpa
+        from eagle3.gqa import fold_drafter_attention
+
+        use_gqa_sdpa(target)
+        fold_drafter_attention(drafter)
+    if a.compile_layers:
+        from eagle3.spec.compiled import compile_decoder_layers
+
+        compile_decoder_layers(target)
+        compile_decoder_layers(drafter)
     P, max_len = a.prompt_len, a.cache_slots or a.prompt_len + 64
     span = a.min_span or None
     runner = StaticTargetRunner(target, aux_ids, max_len=max_len, min_span=span)
@@ -100,7 +115,7 @@ def main(argv=None) -> dict:
             out[name] = {"queued_ms": queued, "synced_ms": synced}
     print(f"\n{torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}, {a.dtype}, "
           f"{target.config.num_hidden_layers} layers, prompt {P}, draft vocab {drafter.arch.draft_vocab_size}, "
-          f"drafter layers {drafter.arch.num_layers}, "
+          f"drafter layers {drafter.arch.num_layers}, GQA folded {a.gqa_fold}, compiled layers {a.compile_layers}, "
           f"CUDA graphs {runner.cuda_graphs}, {a.iters} calls each, {max_len} cache slots, "
           f"attention over {runner.cache.span} of them")
     print(f"{'call':34s} {'queued ms':>10s} {'synced ms':>10s}")

@@ -124,10 +124,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--methods", default="hf_eager,hf_static,base_dynamic,base_static,spec_dynamic,spec_static,"
                                           "forced_dynamic,forced_static",
                     help="also base_static_fullspan, spec_static_fullspan, forced_static_fullspan and, with "
-                         "--compile-layers, base_static_compiled, spec_static_compiled, forced_static_compiled")
+                         "--compile-layers, base_static_compiled, spec_static_compiled, forced_static_compiled "
+                         "(--gqa-fold: *_gqa, *_compiled_gqa)")
     ap.add_argument("--compile-layers", action="store_true",
                     help="build the *_compiled methods: static caches (and graphs) on copies of the target and the "
                          "drafter whose decoder layers are inductor-compiled (engine.compile_layers=true)")
+    ap.add_argument("--gqa-fold", action="store_true",
+                    help="build the *_gqa methods (and *_compiled_gqa with --compile-layers): target and drafter "
+                         "attending with the query heads folded into the query axis (eagle3.gqa)")
     ap.add_argument("--no-graphs", action="store_true", help="static caches without CUDA graphs")
     ap.add_argument("--cache-slots", type=int, default=None,
                     help="KV slots of the static caches (default: what the prompt, new tokens and one round "
@@ -160,18 +164,32 @@ def main(argv=None) -> dict:
     dyn_prop = Eagle3Proposer(drafter, aux)
     sta_prop = StaticEagle3Proposer(drafter, aux, max_len=max_len, cuda_graphs=graphs, min_span=args.min_span)
     full_prop = StaticEagle3Proposer(drafter, aux, max_len=max_len, cuda_graphs=graphs, min_span=None)
-    comp_runner = comp_prop = None
-    if args.compile_layers:
+    def twins(compiled: bool, fold: bool):
+        """Static runner and proposer on copies of the target and the drafter, their layers compiled
+        (``compiled``) and attending with the folded GQA attention (``fold``, eagle3.gqa)."""
         import copy
 
+        from eagle3.engines.hf.attention import use_gqa_sdpa
+        from eagle3.gqa import fold_drafter_attention
         from eagle3.spec.compiled import compile_decoder_layers
 
-        twin = copy.deepcopy(target)
-        compile_decoder_layers(twin)
-        comp_runner = StaticTargetRunner(twin, aux, max_len=max_len, cuda_graphs=graphs, min_span=args.min_span)
-        twin_drafter = copy.deepcopy(drafter)
-        compile_decoder_layers(twin_drafter)
-        comp_prop = StaticEagle3Proposer(twin_drafter, aux, max_len=max_len, cuda_graphs=graphs, min_span=args.min_span)
+        twin, twin_drafter = copy.deepcopy(target), copy.deepcopy(drafter)
+        if fold:
+            use_gqa_sdpa(twin)
+            fold_drafter_attention(twin_drafter)
+        if compiled:
+            compile_decoder_layers(twin)
+            compile_decoder_layers(twin_drafter)
+        return (StaticTargetRunner(twin, aux, max_len=max_len, cuda_graphs=graphs, min_span=args.min_span),
+                StaticEagle3Proposer(twin_drafter, aux, max_len=max_len, cuda_graphs=graphs, min_span=args.min_span))
+
+    variants = {}  # method suffix -> (runner, proposer)
+    if args.gqa_fold:
+        variants["_gqa"] = twins(False, True)
+    if args.compile_layers:
+        variants["_compiled"] = twins(True, False)
+        if args.gqa_fold:
+            variants["_compiled_gqa"] = twins(True, True)
 
     def hf(p, static):
         from transformers import GenerationConfig
@@ -209,11 +227,11 @@ def main(argv=None) -> dict:
         "spec_static_fullspan": lambda i: spec(full_runner, full_prop, i, False),
         "forced_static_fullspan": lambda i: spec(full_runner, full_prop, i, True),
     }
-    if comp_runner is not None:
+    for suffix, (run_, prop_) in variants.items():
         table.update({
-            "base_static_compiled": lambda i: plain(comp_runner, prompts[i]),
-            "spec_static_compiled": lambda i: spec(comp_runner, comp_prop, i, False),
-            "forced_static_compiled": lambda i: spec(comp_runner, comp_prop, i, True),
+            f"base_static{suffix}": lambda i, run_=run_: plain(run_, prompts[i]),
+            f"spec_static{suffix}": lambda i, run_=run_, prop_=prop_: spec(run_, prop_, i, False),
+            f"forced_static{suffix}": lambda i, run_=run_, prop_=prop_: spec(run_, prop_, i, True),
         })
     methods = [m for m in args.methods.split(",") if m]
     unknown = [m for m in methods if m not in table]
@@ -243,8 +261,8 @@ def main(argv=None) -> dict:
         xs = runs.get(name) or []
         return statistics.median((x["seconds"] - x["prefill"]) / (new - 1) * 1e3 for x in xs) if xs else None
 
-    steps_ms = {"": base_step_ms("base_static"), "_fullspan": base_step_ms("base_static_fullspan"),
-                "_compiled": base_step_ms("base_static_compiled")}
+    suffixes = ("_fullspan", "_compiled_gqa", "_compiled", "_gqa")  # longest match first
+    steps_ms = {"": base_step_ms("base_static"), **{k: base_step_ms(f"base_static{k}") for k in suffixes}}
     ref_runs = {(x["repeat"], x["prompt"]): x for x in runs.get("hf_static", [])}
     for m, xs in runs.items():
         if not xs:
@@ -256,7 +274,7 @@ def main(argv=None) -> dict:
         if "passes" in xs[0]:
             row["tau"] = sum(x["emitted"] for x in xs) / sum(x["passes"] for x in xs)
             row["round_ms"] = statistics.median((x["seconds"] - x["prefill"]) / x["passes"] * 1e3 for x in xs)
-            step_ms = steps_ms[next((k for k in ("_fullspan", "_compiled") if m.endswith(k)), "")]  # same path's step
+            step_ms = steps_ms[next((k for k in suffixes if m.endswith(k)), "")]  # same path's step
             if step_ms:
                 row["round_in_base_steps"] = row["round_ms"] / step_ms
         elif "prefill" in xs[0]:

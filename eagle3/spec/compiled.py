@@ -52,23 +52,31 @@ from __future__ import annotations
 import torch
 
 from eagle3.devices import compile_in_place
+from eagle3.engines.hf.attention import GQA_SDPA, GQA_SDPA_OUTSIDE_COMPILE
 from eagle3.errors import Eagle3Error
 
 
 # transformers attention-implementation key of sdpa kept outside compiled code (module docstring)
 SDPA_OUTSIDE_COMPILE = "eagle3_sdpa_outside_compile"
+# every attention implementation key that runs outside compiled code (this one and eagle3.engines.hf.attention's)
+OUTSIDE_COMPILE = (SDPA_OUTSIDE_COMPILE, GQA_SDPA_OUTSIDE_COMPILE)
 
 
 def use_sdpa_outside_compile(model) -> None:
     """Switch a transformers model from ``sdpa`` to :data:`SDPA_OUTSIDE_COMPILE` (the same
-    function and mask, never traced by Dynamo); registers the key on first use. Idempotent.
+    function and mask, never traced by Dynamo), or from the folded GQA attention
+    (:data:`eagle3.engines.hf.attention.GQA_SDPA`) to its compile-disabled twin; registers the
+    key on first use. Idempotent.
 
     Raises:
         Eagle3Error: a model without ``set_attn_implementation`` (the drafter), or one whose
             attention implementation is not ``sdpa``.
     """
     impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    if impl == SDPA_OUTSIDE_COMPILE:
+    if impl in OUTSIDE_COMPILE:
+        return
+    if impl == GQA_SDPA:  # the folded GQA attention (eagle3.gqa) has its own compile-disabled twin
+        model.set_attn_implementation(GQA_SDPA_OUTSIDE_COMPILE)
         return
     if not hasattr(model, "set_attn_implementation") or impl != "sdpa":
         raise Eagle3Error(f"{type(model).__name__} (attention {impl!r}) cannot keep its attention outside the "
@@ -133,7 +141,7 @@ def compile_decoder_layers(model, attention_in_graph: bool = True) -> int:
             already compiled with the other ``attention_in_graph``.
     """
     owner = _owner(model)
-    outside = getattr(getattr(model, "config", None), "_attn_implementation", None) == SDPA_OUTSIDE_COMPILE
+    outside = getattr(getattr(model, "config", None), "_attn_implementation", None) in OUTSIDE_COMPILE
     if layers_compiled(model) and outside == attention_in_graph:
         raise Eagle3Error(f"the layers of this {type(model).__name__} are already compiled with the attention "
                           f"{'outside' if outside else 'inside'} the compiled code; compile a fresh copy to change it")

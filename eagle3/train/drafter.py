@@ -37,6 +37,8 @@ from transformers.models.llama.modeling_llama import (
     repeat_kv,
 )
 
+from eagle3.gqa import can_fold, folded_gqa_sdpa
+
 #: in training (autograd on), grouped-query attention inside SDPA (``enable_gqa``) instead of
 #: ``repeat_kv`` copies of the keys and values, which the backward pass would keep: the same
 #: attention (``tests/test_drafter.py``, CPU and CUDA). Timed on one H100 for the Kimi-K2.5-shaped
@@ -121,7 +123,15 @@ class DrafterAttention(nn.Module):
     """Grouped-query self-attention with rotary positions and an optional KV cache.
 
     ``in_features`` is ``2H`` in the first layer (embedding ++ hidden) and ``H`` after.
+
+    Attributes:
+        fold_gqa: without autograd (draft steps), attend with the query heads folded into the
+            query axis (:func:`eagle3.gqa.folded_gqa_sdpa`) instead of ``repeat_kv`` copies,
+            where it applies; the same attention. A class default, set per module by
+            :func:`eagle3.gqa.fold_drafter_attention`.
     """
+
+    fold_gqa = False
 
     def __init__(self, arch: DrafterArch, in_features: int, layer_idx: int):
         super().__init__()
@@ -171,6 +181,8 @@ class DrafterAttention(nn.Module):
                 attention_mask = (torch.arange(S, device=x.device)[None, :] <= q_abs[:, None])[None, None]
         if GQA_IN_KERNEL and rep > 1 and torch.is_grad_enabled():  # kv head h // rep for query head h
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, is_causal=is_causal, enable_gqa=True)
+        elif self.fold_gqa and rep > 1 and not is_causal and can_fold(q, k, attention_mask):  # draft steps
+            out = folded_gqa_sdpa(q, k, v, attention_mask)  # [B, h, T, d], no repeat_kv copies
         else:
             k, v = repeat_kv(k, rep), repeat_kv(v, rep)  # [B, h, S, d] (every SDPA kernel accepts it)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, is_causal=is_causal)  # [B, h, T, d]

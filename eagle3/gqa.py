@@ -1,0 +1,91 @@
+"""Grouped-query attention for a few queries, without repeating the keys and values.
+
+With grouped-query attention (GQA) each key/value head serves ``g = Hq / Hk`` query heads.
+transformers' ``sdpa`` path (``sdpa_attention_forward``) and the drafter's decoding path copy
+every key and value head ``g`` times (``repeat_kv``) before SDPA whenever a mask is given,
+because SDPA's own ``enable_gqa`` takes no fused kernel with a mask. For one or a few new
+queries over a long cache that copy is the attention's largest cost: at batch 256 over 384
+slots a SmolLM2-shaped layer (9 query / 3 kv heads, head dim 64) writes 226 MB of repeated
+keys and values per layer and step to read them back once, against 75 MB of cache.
+
+The query heads of a group can instead be folded into the query axis (the decode-time GQA
+layout of FlashDecoding and of the serving engines' paged kernels): ``q [B, Hq, Q, d]`` is
+viewed as ``[B, Hk, g * Q, d]``, where row ``i * Q + t`` holds query head ``Hk_j * g + i``'s
+token ``t`` (transformers' ``repeat_kv`` order: query head ``h`` reads kv head ``h // g``),
+and attends to the un-repeated ``[B, Hk, S, d]`` cache. The mask ``[B, 1, Q, S]`` is shared by
+the heads, so row ``i * Q + t`` takes mask row ``t``: the mask is repeated ``g`` times along
+the query axis when ``Q > 1`` and broadcast when ``Q == 1``. Every score is the one ``repeat_kv``
+would give, so the result is the same attention (equal in float32 up to summation order,
+``tests/test_gqa.py``).
+
+Worth it only for few queries: the folded query axis is ``g`` times longer, and the repeated
+mask costs ``B * g * Q * S`` bytes, so prefill (``Q`` in the hundreds) keeps ``repeat_kv``;
+:data:`FOLD_MAX_QUERIES` is the cut.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+FOLD_MAX_QUERIES = 64  # calls with more queries than this (prefill) keep repeat_kv: the module docstring
+
+
+def can_fold(query: torch.Tensor, key: torch.Tensor, attn_mask: Optional[torch.Tensor]) -> bool:
+    """Whether :func:`folded_gqa_sdpa` applies: grouped heads (``Hq`` a multiple ``> 1`` of
+    ``Hk``), at most :data:`FOLD_MAX_QUERIES` queries, and a mask shared by all heads
+    (``[B or 1, 1, Q, S]``) or no mask for a single query (``Q > 1`` without a mask would
+    need causal masking, which the folded layout cannot express)."""
+    hq, hk, q_len = query.shape[1], key.shape[1], query.shape[2]
+    if hq == hk or hq % hk or q_len > FOLD_MAX_QUERIES:
+        return False
+    if attn_mask is None:
+        return q_len == 1
+    return attn_mask.dim() == 4 and attn_mask.shape[1] == 1
+
+
+def folded_gqa_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attn_mask: Optional[torch.Tensor], scale: Optional[float] = None) -> torch.Tensor:
+    """``softmax(q k^T * scale + mask) v`` per query head, with the query heads folded into
+    the query axis (module docstring).
+
+    Args:
+        query: ``[B, Hq, Q, d]``, any strides.
+        key: ``[B, Hk, S, d]`` with ``Hq = g * Hk``.
+        value: ``[B, Hk, S, dv]``.
+        attn_mask: ``[B or 1, 1, Q, S]`` bool (True = attend) or additive float (SDPA's
+            conventions), or None when ``Q == 1``.
+        scale: score scale; None = ``d ** -0.5`` (SDPA's default).
+
+    Returns:
+        ``[B, Hq, Q, dv]`` in ``query``'s dtype, as ``F.scaled_dot_product_attention`` over
+        ``repeat_kv``-ed keys and values returns it.
+
+    Raises:
+        ValueError: a call :func:`can_fold` refuses.
+    """
+    if not can_fold(query, key, attn_mask):
+        raise ValueError(f"folded GQA attention needs grouped heads, at most {FOLD_MAX_QUERIES} queries and a mask "
+                         f"shared by all heads; got query {tuple(query.shape)}, key {tuple(key.shape)}, mask "
+                         f"{None if attn_mask is None else tuple(attn_mask.shape)}")
+    B, hq, q_len, d = query.shape
+    hk = key.shape[1]
+    g = hq // hk
+    q = query.reshape(B, hk, g * q_len, d)  # row i*Q + t = query head (j*g + i), token t
+    mask = attn_mask
+    if mask is not None and q_len > 1:
+        mask = mask.repeat(1, 1, g, 1)  # [B, 1, g*Q, S]: row i*Q + t reads mask row t
+    out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale)  # [B, Hk, g*Q, dv]
+    return out.view(B, hq, q_len, value.shape[-1])
+
+
+def fold_drafter_attention(drafter: torch.nn.Module, on: bool = True) -> int:
+    """Make every attention module of ``drafter`` that has a ``fold_gqa`` switch
+    (:class:`eagle3.train.drafter.DrafterAttention`) use (``on``) or not use the folded
+    layout in its draft steps; returns how many were set."""
+    mods = [m for m in drafter.modules() if hasattr(type(m), "fold_gqa")]
+    for m in mods:
+        m.fold_gqa = bool(on)
+    return len(mods)

@@ -1,0 +1,166 @@
+"""Grouped-query attention with the query heads folded into the query axis (eagle3.gqa): the
+attention of every query head over its own kv head, computed here head by head, and the same
+tokens, acceptance and drafter logits when the target and the drafter decode with it."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from eagle3.engines.hf.attention import (
+    GQA_SDPA,
+    GQA_SDPA_OUTSIDE_COMPILE,
+    gqa_sdpa_attention,
+    use_gqa_sdpa,
+)
+from eagle3.engines.hf.batch_decode import BatchDecoder
+from eagle3.errors import Eagle3Error
+from eagle3.gqa import FOLD_MAX_QUERIES, can_fold, fold_drafter_attention, folded_gqa_sdpa
+from eagle3.spec import SpecSettings, StaticEagle3Proposer, StaticTargetRunner
+from test_batch_decode import reference, seqs_of
+from test_spec_decode import AUX, PROMPT, greedy_reference, tiny_drafter, tiny_target
+from test_static_decode import forced_run
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture
+def fold_calls(monkeypatch):
+    """Counts the folded calls of the target's attention function and of the drafter."""
+    import eagle3.gqa
+    import eagle3.train.drafter
+
+    calls = {"target": 0, "drafter": 0}
+
+    def spy(who):
+        def f(*args, **kwargs):
+            calls[who] += 1
+            return folded_gqa_sdpa(*args, **kwargs)
+        return f
+
+    monkeypatch.setattr(eagle3.gqa, "folded_gqa_sdpa", spy("target"))
+    monkeypatch.setattr(eagle3.train.drafter, "folded_gqa_sdpa", spy("drafter"))
+    return calls
+
+
+def per_head_reference(q, k, v, mask, scale):
+    """Query head ``h`` over kv head ``h // g``, one head at a time, float64: the definition."""
+    B, hq, Q, d = q.shape
+    g = hq // k.shape[1]
+    out = torch.empty(B, hq, Q, v.shape[-1], dtype=torch.float64)
+    for b in range(B):
+        for h in range(hq):
+            s = q[b, h].double() @ k[b, h // g].double().T * scale  # [Q, S]
+            if mask is not None:
+                m = mask[b if mask.shape[0] > 1 else 0, 0]
+                s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m.double()
+            out[b, h] = torch.softmax(s, -1) @ v[b, h // g].double()
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("q_len,mask_kind", [(1, "bool"), (1, "none"), (4, "bool"), (4, "float"), (7, "bool")])
+def test_folded_attention_is_each_query_heads_attention_over_its_kv_head(device, q_len, mask_kind):
+    g = torch.Generator().manual_seed(q_len)
+    B, hk, grp, S, d = 3, 2, 3, 40, 16
+    q = torch.randn(B, hk * grp, q_len, d, generator=g)
+    k, v = torch.randn(B, hk, S, d, generator=g), torch.randn(B, hk, S, d, generator=g)
+    mask = None
+    if mask_kind != "none":
+        visible = torch.rand(B, 1, q_len, S, generator=g) < 0.6
+        visible[..., 0] = True  # no row masked entirely
+        mask = visible if mask_kind == "bool" else torch.where(visible, 0.0, -1e9) + 0.1 * torch.randn(visible.shape, generator=g)
+    ref = per_head_reference(q, k, v, mask, d ** -0.5)
+    dev = torch.device(device)
+    got = folded_gqa_sdpa(q.to(dev), k.to(dev), v.to(dev),
+                          None if mask is None else mask.to(dev))
+    assert got.shape == (B, hk * grp, q_len, d)
+    torch.testing.assert_close(got.cpu().double(), ref, atol=2e-5, rtol=2e-5)
+    # a query with transformers' layout ([B, T, H, d] projected, then transposed) folds the same way
+    qt = q.transpose(1, 2).contiguous().transpose(1, 2)
+    torch.testing.assert_close(folded_gqa_sdpa(qt, k, v, mask).double(), ref, atol=2e-5, rtol=2e-5)
+
+
+def test_fold_refuses_what_it_cannot_express():
+    k = torch.zeros(1, 2, 8, 4)
+    assert not can_fold(torch.zeros(1, 2, 1, 4), k, None)  # no grouping (Hq == Hk)
+    assert not can_fold(torch.zeros(1, 5, 1, 4), k, None)  # 5 heads over 2 kv heads
+    assert not can_fold(torch.zeros(1, 4, FOLD_MAX_QUERIES + 1, 4), k, torch.ones(1, 1, FOLD_MAX_QUERIES + 1, 8, dtype=torch.bool))
+    assert not can_fold(torch.zeros(1, 4, 3, 4), k, None)  # several queries need a mask (no causal form)
+    assert not can_fold(torch.zeros(1, 4, 3, 4), k, torch.ones(1, 4, 3, 8, dtype=torch.bool))  # a per-head mask
+    assert can_fold(torch.zeros(1, 4, 3, 4), k, torch.ones(1, 1, 3, 8, dtype=torch.bool))
+    with pytest.raises(ValueError, match="shared by all heads"):
+        folded_gqa_sdpa(torch.zeros(1, 4, 3, 4), k, k, torch.ones(1, 4, 3, 8, dtype=torch.bool))
+
+
+def test_the_transformers_function_equals_sdpa_and_passes_prefill_through():
+    """gqa_sdpa_attention against transformers' own sdpa_attention_forward (repeat_kv): a decode
+    step and a verify pass under left-padded causal masks, and a prefill
+    of more than FOLD_MAX_QUERIES queries (handed to sdpa itself)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 3, True
+    g = torch.Generator().manual_seed(0)
+    for q_len in (1, 4, FOLD_MAX_QUERIES + 6):
+        S = q_len + 30
+        q = torch.randn(2, 6, q_len, 8, generator=g)
+        k, v = torch.randn(2, 2, S, 8, generator=g), torch.randn(2, 2, S, 8, generator=g)
+        mask = torch.ones(2, 1, q_len, S, dtype=torch.bool).tril(diagonal=S - q_len)
+        mask[1, ..., :3] = False  # left padding in row 1
+        want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.3)
+        got, _ = gqa_sdpa_attention(module, q, k, v, mask, scaling=0.3)
+        assert got.shape == want.shape == (2, q_len, 6, 8)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_batched_decoding_with_the_folded_attention_gives_generates_rows(fold_calls):
+    eager = tiny_target(layers=3)
+    folded = copy.deepcopy(eager)
+    use_gqa_sdpa(folded)
+    use_gqa_sdpa(folded)  # idempotent
+    assert folded.config._attn_implementation == GQA_SDPA
+    dec = BatchDecoder(folded, capacity=6 * 128)
+    for i, lengths in enumerate([[7, 12, 3, 30], [20, 5]]):
+        seqs = seqs_of(lengths, seed=40 + i)
+        assert dec.generate(seqs, 10, stop_ids=[], pad_id=0) == reference(eager, seqs, 10)
+    assert fold_calls["target"] == 2 * (1 + 9) * 3  # both batches' prefills (<= 64 queries) and decode steps, 3 layers
+    with pytest.raises(Eagle3Error, match="attn_implementation='sdpa'"):
+        use_gqa_sdpa(tiny_target(layers=1, attn="eager"))
+
+
+def test_speculative_decoding_with_the_folded_attention_equals_repeat_kv(fold_calls):
+    """Static caches (verify passes of 1..4 positions, draft steps), target and drafter folded:
+    the same tokens and accept counts, and every drafter call the same logits."""
+    eager = tiny_target(layers=3)
+    n = 40
+    ref = greedy_reference(eager, PROMPT, n)
+    s, _ = SpecSettings.make(3, 1, 4, max_new_tokens=n)
+    drafter = tiny_drafter(eager)
+    folded, folded_drafter = copy.deepcopy(eager), copy.deepcopy(drafter)
+    use_gqa_sdpa(folded)
+    assert fold_drafter_attention(folded_drafter) == 1
+    runs = []
+    for model, d in ((eager, drafter), (folded, folded_drafter)):
+        runs.append(forced_run(StaticTargetRunner(model, AUX, max_len=160, min_span=8),
+                               StaticEagle3Proposer(d, AUX, max_len=160, min_span=8), ref, s))
+    (a, acalls), (b, bcalls) = runs
+    assert b.tokens == a.tokens == ref[len(PROMPT):]
+    assert b.accept_counts == a.accept_counts and max(a.accept_counts) == 3
+    assert [c[:3] for c in bcalls] == [c[:3] for c in acalls]
+    for x, y in zip(bcalls, acalls):
+        torch.testing.assert_close(x[3], y[3], atol=1e-4, rtol=1e-4)
+    assert fold_calls["target"] == 3 * (1 + len(b.accept_counts))  # the 7-token prefill and every verify pass, 3 layers
+    assert fold_calls["drafter"] >= 3 * len(b.accept_counts)  # the draft steps of every round
+
+
+def test_compiling_with_the_attention_outside_keeps_the_folded_attention():
+    from eagle3.spec.compiled import compile_decoder_layers, layers_compiled
+
+    model = tiny_target(layers=2)
+    use_gqa_sdpa(model)
+    assert compile_decoder_layers(model, attention_in_graph=False) == 3
+    assert model.config._attn_implementation == GQA_SDPA_OUTSIDE_COMPILE and layers_compiled(model)
+    assert compile_decoder_layers(model, attention_in_graph=False) == 0  # idempotent
