@@ -48,6 +48,11 @@ class HFEngineConfig:
     # batched decoder then ran 1.15x the uncompiled one at batch 256 (docs/performance.md), not yet
     # timed in a whole extraction.
     compile_layers: Optional[bool] = None
+    # Attend with the query heads of each kv group folded into the query axis (eagle3.gqa) in
+    # decode steps, verify passes and draft steps, instead of repeat_kv copies of the whole KV
+    # cache: the same attention. null = auto: on CUDA with attn_implementation=sdpa (one H100:
+    # batched regeneration 2.5x at batch 256, speculative rounds 3% faster; docs/performance.md).
+    gqa_fold: Optional[bool] = None
 
 
 @dataclass

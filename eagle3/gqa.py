@@ -30,6 +30,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from eagle3.errors import Eagle3Error
+
 FOLD_MAX_QUERIES = 64  # calls with more queries than this (prefill) keep repeat_kv: the module docstring
 
 
@@ -70,6 +72,14 @@ def folded_gqa_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         raise ValueError(f"folded GQA attention needs grouped heads, at most {FOLD_MAX_QUERIES} queries and a mask "
                          f"shared by all heads; got query {tuple(query.shape)}, key {tuple(key.shape)}, mask "
                          f"{None if attn_mask is None else tuple(attn_mask.shape)}")
+    return grouped_attention(query, key, value, attn_mask, scale).flatten(1, 2)
+
+
+def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attn_mask: Optional[torch.Tensor], scale: Optional[float] = None) -> torch.Tensor:
+    """:func:`folded_gqa_sdpa` before its heads are merged: ``[B, Hk, g, Q, dv]``, a view of
+    SDPA's output in whatever memory layout the kernel chose (callers reshape it once into
+    the layout they need). Same arguments; no checks (call :func:`can_fold` first)."""
     B, hq, q_len, d = query.shape
     hk = key.shape[1]
     g = hq // hk
@@ -78,7 +88,7 @@ def folded_gqa_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if mask is not None and q_len > 1:
         mask = mask.repeat(1, 1, g, 1)  # [B, 1, g*Q, S]: row i*Q + t reads mask row t
     out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale)  # [B, Hk, g*Q, dv]
-    return out.view(B, hq, q_len, value.shape[-1])
+    return out.unflatten(2, (g, q_len))  # splitting one dimension is a view for any strides
 
 
 def fold_drafter_attention(drafter: torch.nn.Module, on: bool = True) -> int:
@@ -89,3 +99,18 @@ def fold_drafter_attention(drafter: torch.nn.Module, on: bool = True) -> int:
     for m in mods:
         m.fold_gqa = bool(on)
     return len(mods)
+
+
+def wants_fold(setting: Optional[bool], device_type: str, attn_implementation: str) -> bool:
+    """``engine.gqa_fold`` resolved: ``None`` (auto) = on CUDA with ``sdpa`` attention (measured
+    there; the CPU paths keep what they were timed with), ``True``/``False`` as given.
+
+    Raises:
+        Eagle3Error: ``True`` with an attention implementation other than ``sdpa``.
+    """
+    if setting is None:
+        return device_type == "cuda" and attn_implementation == "sdpa"
+    if setting and attn_implementation != "sdpa":
+        raise Eagle3Error(f"engine.gqa_fold=true needs engine.attn_implementation=sdpa (got {attn_implementation!r}); "
+                          "set engine.gqa_fold=false or attn_implementation=sdpa")
+    return bool(setting)

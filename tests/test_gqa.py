@@ -28,19 +28,23 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 @pytest.fixture
 def fold_calls(monkeypatch):
-    """Counts the folded calls of the target's attention function and of the drafter."""
+    """Counts the folded calls: ``target`` every :func:`eagle3.gqa.grouped_attention` call (the
+    target's attention function and, through ``folded_gqa_sdpa``, the drafter's), ``drafter``
+    the drafter's."""
     import eagle3.gqa
     import eagle3.train.drafter
 
     calls = {"target": 0, "drafter": 0}
 
     def spy(who):
+        real = eagle3.gqa.grouped_attention if who == "target" else folded_gqa_sdpa
+
         def f(*args, **kwargs):
             calls[who] += 1
-            return folded_gqa_sdpa(*args, **kwargs)
+            return real(*args, **kwargs)
         return f
 
-    monkeypatch.setattr(eagle3.gqa, "folded_gqa_sdpa", spy("target"))
+    monkeypatch.setattr(eagle3.gqa, "grouped_attention", spy("target"))
     monkeypatch.setattr(eagle3.train.drafter, "folded_gqa_sdpa", spy("drafter"))
     return calls
 
@@ -152,7 +156,8 @@ def test_speculative_decoding_with_the_folded_attention_equals_repeat_kv(fold_ca
     assert [c[:3] for c in bcalls] == [c[:3] for c in acalls]
     for x, y in zip(bcalls, acalls):
         torch.testing.assert_close(x[3], y[3], atol=1e-4, rtol=1e-4)
-    assert fold_calls["target"] == 3 * (1 + len(b.accept_counts))  # the 7-token prefill and every verify pass, 3 layers
+    drafter_calls = fold_calls["drafter"]  # the drafter's folded calls run through grouped_attention too
+    assert fold_calls["target"] - drafter_calls == 3 * (1 + len(b.accept_counts))  # the 7-token prefill, every verify pass
     assert fold_calls["drafter"] >= 3 * len(b.accept_counts)  # the draft steps of every round
 
 
@@ -164,3 +169,59 @@ def test_compiling_with_the_attention_outside_keeps_the_folded_attention():
     assert compile_decoder_layers(model, attention_in_graph=False) == 3
     assert model.config._attn_implementation == GQA_SDPA_OUTSIDE_COMPILE and layers_compiled(model)
     assert compile_decoder_layers(model, attention_in_graph=False) == 0  # idempotent
+
+
+def test_engine_generation_with_the_folded_attention_gives_the_same_rows(tiny_target_dir, tmp_path, fold_calls):
+    """engine.gqa_fold=true (auto turns it on for CUDA only): generation attends with the folded
+    key (recorded as generate_attn), rows equal the engine's default CPU generation, and capture
+    goes back to sdpa with the same features (float32)."""
+    from eagle3.config import HFEngineConfig, ModelConfig, SamplingConfig
+    from eagle3.engines import build_engine
+    from eagle3.engines.hf.engine import HFEngine
+
+    cfg = ModelConfig(name="tiny", source=str(tiny_target_dir), aux_layer_ids=[1, 4, 8])
+    eng = build_engine(cfg, HFEngineConfig(device="cpu", capture_batch_size=2, max_batch_tokens=128),
+                       tmp_path / "cache", None)
+    try:
+        eng.model.float()
+        assert eng.gqa_fold is False  # auto: off on CPU
+        prompts, smp = seqs_of([9, 30, 14], seed=6), SamplingConfig(max_new_tokens=6)
+        seqs = seqs_of([9, 30, 14, 22], seed=4)
+        rows, feats = eng.generate(prompts, smp), eng.capture(seqs, top_k=8)
+        folded = HFEngine(eng.model, eng.tokenizer, eng.target, HFEngineConfig(device="cpu", gqa_fold=True,
+                          capture_batch_size=2, max_batch_tokens=128), eng.device)
+        assert folded.gqa_fold and folded.info()["generate_attn"] == GQA_SDPA
+        assert fold_calls["target"] == 0
+        assert folded.generate(prompts, smp) == rows
+        assert fold_calls["target"] > 0  # the tiny target has grouped heads: the decode steps folded
+        n = fold_calls["target"]
+        assert eng.model.config._attn_implementation == "sdpa"  # restored for capture
+        for a, b in zip(folded.capture(seqs, top_k=8), feats):
+            torch.testing.assert_close(a.aux_hidden_states, b.aux_hidden_states)
+            torch.testing.assert_close(a.topk_logprobs, b.topk_logprobs)
+        assert fold_calls["target"] == n  # capture did not fold
+    finally:
+        eng.close()
+
+
+def test_gqa_fold_setting_resolves_by_device_and_attention():
+    from eagle3.gqa import wants_fold
+
+    assert wants_fold(None, "cuda", "sdpa") and not wants_fold(None, "cpu", "sdpa")
+    assert not wants_fold(None, "cuda", "eager") and not wants_fold(False, "cuda", "sdpa")
+    assert wants_fold(True, "cpu", "sdpa")
+    with pytest.raises(Eagle3Error, match="gqa_fold=true needs engine.attn_implementation=sdpa"):
+        wants_fold(True, "cuda", "eager")
+
+
+def test_the_report_names_the_folded_attention():
+    from eagle3.evaluate.run import decoding_path
+    from eagle3.spec import build_decoder
+
+    model = tiny_target(layers=1)
+    drafter = tiny_drafter(model)
+    s, _ = SpecSettings.make(3, 1, 4, max_new_tokens=8)
+    assert decoding_path(build_decoder(model, drafter, AUX, s, [], max_prompt_tokens=64, static=True)) == "static KV caches"
+    use_gqa_sdpa(model)
+    assert (decoding_path(build_decoder(model, drafter, AUX, s, [], max_prompt_tokens=64, static=True))
+            == "static KV caches + folded GQA attention")

@@ -95,13 +95,14 @@ def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout: float
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from eagle3.gqa import can_fold, folded_gqa_sdpa
+    from eagle3.gqa import can_fold, grouped_attention
 
     if dropout or any(kwargs.get(k) is not None for k in _PASS_THROUGH) or not can_fold(query, key, attention_mask):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    out = folded_gqa_sdpa(query, key, value, attention_mask, scale=scaling)  # [B, Hq, Q, Dv]
-    return out.transpose(1, 2).contiguous(), None
+    out = grouped_attention(query, key, value, attention_mask, scale=scaling)  # [B, Hk, g, Q, Dv]
+    B, Q = query.shape[0], query.shape[2]
+    return out.permute(0, 3, 1, 2, 4).reshape(B, Q, query.shape[1], value.shape[-1]), None  # one copy at most
 
 
 def register_gqa_sdpa() -> str:

@@ -4,7 +4,8 @@ Generation: ``model.generate`` on length-sorted batches with left padding (the
 tokenizer's pad id; attention mask given, so transformers derives position ids from
 it), greedy unless ``temperature > 0``, stopping at EOS or the template's end-of-turn
 token. On a CPU with ``attn_implementation=sdpa`` the decode steps use the GQA decode
-attention of :mod:`eagle3.engines.hf.attention` (prefill stays ``sdpa``); recorded as
+attention of :mod:`eagle3.engines.hf.attention` (prefill stays ``sdpa``); on CUDA
+(``engine.gqa_fold``) its folded GQA SDPA (:mod:`eagle3.gqa`); recorded as
 ``generate_attn`` in :meth:`HFEngine.info`. With ``engine.generate_cache=static`` the
 KV cache is transformers' ``StaticCache`` and transformers compiles the decode step
 (CUDA graphs on CUDA); prompts are then padded to a multiple of 64 so batches share
@@ -201,6 +202,13 @@ class HFEngine(Engine):
         self.compile_layers = wants_compile(getattr(engine_cfg, "compile_layers", None), device.type, default=False)
         if self.compile_layers:
             compile_decoder_layers(model, attention_in_graph=engine_cfg.attn_implementation != "sdpa")
+        from eagle3.gqa import wants_fold
+
+        self.gqa_fold = wants_fold(getattr(engine_cfg, "gqa_fold", None), device.type, engine_cfg.attn_implementation)
+        if self.gqa_fold:  # generation's decode steps attend without repeat_kv copies (eagle3.gqa); capture keeps sdpa
+            from eagle3.engines.hf.attention import GQA_SDPA_OUTSIDE_COMPILE, register_gqa_sdpa
+
+            self.generate_attn = register_gqa_sdpa() if not self.compile_layers else GQA_SDPA_OUTSIDE_COMPILE
         # what capture attends with, and what generation_attention restores: the model's own
         # (SDPA_OUTSIDE_COMPILE once compiled as above), not the configured name
         self.capture_attn = getattr(model.config, "_attn_implementation", None) or engine_cfg.attn_implementation
@@ -273,8 +281,10 @@ class HFEngine(Engine):
 
         def run(idx: list[int]) -> None:
             budget = GENERATE_TOKEN_FACTOR * self.batch["max_batch_tokens"]
-            if self.graph_generate and self._graphed(idx, prompts, sampling, budget, out):
-                return
+            if self.graph_generate:
+                with self.generation_attention():
+                    if self._graphed(idx, prompts, sampling, budget, out):
+                        return
             ids, mask = left_pad([prompts[i] for i in idx], self.pad_id,
                                  STATIC_WIDTH_MULTIPLE if self.static_generate else 1)
             width = ids.shape[1]
