@@ -218,7 +218,7 @@ def test_the_report_names_the_folded_attention():
     from eagle3.evaluate.run import decoding_path
     from eagle3.spec import build_decoder
 
-    model = tiny_target(layers=1)
+    model = tiny_target(layers=3)
     drafter = tiny_drafter(model)
     s, _ = SpecSettings.make(3, 1, 4, max_new_tokens=8)
     assert decoding_path(build_decoder(model, drafter, AUX, s, [], max_prompt_tokens=64, static=True)) == "static KV caches"
