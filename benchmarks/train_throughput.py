@@ -139,6 +139,22 @@ def profile_step(step, sync, top: int = 12) -> dict:
             "top": [(n[:110], round(ms, 3), c) for n, (ms, c) in ranked]}
 
 
+def profile_ops(step, sync, path: str, title: str, rows: int = 45) -> None:
+    """Append to ``path`` the operators of one ``step()`` that launched the most GPU time
+    (``torch.profiler``, CPU and CUDA activities, grouped by input shapes, sorted by self device
+    time): which ``aten`` call (copy, cat, mul, ...) at which shapes owns a kernel kind of
+    :func:`profile_step`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        step()
+        sync()
+    table = prof.key_averages(group_by_input_shape=True).table(sort_by="self_device_time_total", row_limit=rows,
+                                                               max_name_column_width=48, max_shapes_column_width=90)
+    with open(path, "a") as f:
+        f.write(f"## {title}\n{table}\n")
+
+
 def run(name: str, args) -> dict:
     arch = SHAPES[name]
     if args.draft_vocab:
@@ -187,6 +203,8 @@ def run(name: str, args) -> dict:
     sync()
     dt = (time.perf_counter() - t0) / args.iters
     kernels = profile_step(step, sync) if args.profile and dev.type == "cuda" else None
+    if getattr(args, "profile_ops", None):
+        profile_ops(step, sync, args.profile_ops, f"{name} compiled={compiled} fused={fused} {attention} gqa={gqa}")
     executed = None
     if args.count_executed:
         from torch.utils.flop_counter import FlopCounterMode
@@ -239,6 +257,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--fp32", action="store_true", help="no bf16 autocast on CUDA")
     p.add_argument("--count-executed", action="store_true", help="also count executed FLOPs (one extra step)")
     p.add_argument("--profile", action="store_true", help="GPU kernel time by kind (one extra step, CUDA only)")
+    p.add_argument("--profile-ops", default=None, metavar="FILE",
+                   help="append the operators (with input shapes) that own the most GPU time of one extra step")
     p.add_argument("--chain-chunks", default="0",
                    help="comma-separated drafter.ttt_chain_chunk values to time in turn (0 = the dense mask)")
     p.add_argument("--compile", choices=["off", "on", "both"], default="off",
