@@ -3,6 +3,7 @@
     python benchmarks/train_shapes.py --device cuda --steps 600 --pad-multiple 16,128
     python benchmarks/train_shapes.py --device cuda --steps 600 --sdpa both        # SDPA with and without its cuDNN backend
     python benchmarks/train_shapes.py --device cpu --steps 6 --max-tokens 1024   # CI size
+    python benchmarks/train_shapes.py --project shapes.json --steps 8544          # a whole run, projected (no GPU)
 
 Full-size runs start slowly: 480 steps in 100 s, then about 16 steps/s (docs/performance.md).
 Length-bucketed batches (``eagle3.train.data.length_bucketed_batches``) give a new ``(B, T)``
@@ -117,6 +118,56 @@ def run_variant(args) -> dict:
     }
 
 
+def shape_sequence(args, pad: int) -> list[tuple[int, int, int]]:
+    """The ``(B, T, T')`` batch shapes of the first ``args.steps`` steps, collated from tiny
+    synthetic samples (the shapes depend on the lengths and loss masks alone)."""
+    lengths, batches = batch_plan(args)
+    L = args.max_length
+    pool = {"input_ids": torch.zeros(L, dtype=torch.int32), "aux_hidden_states": torch.zeros(L, 3, 1).bfloat16(),
+            "topk_ids": torch.zeros(L, 1, dtype=torch.int32), "topk_logprobs": torch.zeros(L, 1)}
+    collate = TTTCollator(target_to_draft_index(torch.zeros(4, dtype=torch.int64), 8), args.ttt_steps, L,
+                          pad_multiple=pad)
+    out = []
+    for idx in batches:
+        samples = []
+        for i in idx:
+            n = lengths[i]
+            mask = torch.zeros(n, dtype=torch.uint8)
+            mask[int(n * (1 - args.loss_fraction)):] = 1
+            samples.append({"sample_id": str(i), "loss_mask": mask, **{k: v[:n] for k, v in pool.items()}})
+        b = collate(samples)
+        out.append((len(idx), b["input_ids"].shape[1], b["chain_rows"].shape[1]))
+    return out
+
+
+def project(args) -> dict:
+    """Project a whole run's attention cost per batch-shape policy from a GPU replay's JSON
+    (``--project``): its ``default`` and ``no-cudnn`` rows of one pad multiple give the cost of a
+    new shape's cuDNN plan (new-shape median minus repeated-shape median) and the two steady
+    step times; the shapes of ``--steps`` steps are replayed here without a model. A projection
+    from measured constants, not a measurement."""
+    rows = json.load(open(args.project))
+    pad = int(args.pad_multiple.split(",")[0])
+    cud = next(r for r in rows if r["pad_multiple"] == pad and r["sdpa"] == "default")
+    off = next(r for r in rows if r["pad_multiple"] == pad and r["sdpa"] == "no-cudnn")
+    plan, fast, slow = (cud["new_shape_median_ms"] - cud["repeat_median_ms"]), cud["repeat_median_ms"], off["repeat_median_ms"]
+    uses: dict = {}
+    for sh in shape_sequence(args, pad):
+        uses[sh] = uses.get(sh, 0) + 1
+    k = math.ceil(plan / max(slow - fast, 1e-9))  # uses after which a cuDNN plan has paid for itself
+    always = sum(plan + fast * n for n in uses.values()) / 1e3
+    never = sum(slow * n for n in uses.values()) / 1e3
+    after_k = sum(slow * min(n, k) + ((plan + fast * (n - k)) if n > k else 0.0) for n in uses.values()) / 1e3
+    res = {"steps": args.steps, "pad_multiple": pad, "distinct_shapes": len(uses), "plan_ms": plan,
+           "cudnn_step_ms": fast, "no_cudnn_step_ms": slow, "break_even_uses": k,
+           "projected_s": {"cudnn always": always, "cudnn never": never, f"cudnn after {k} uses": after_k}}
+    print(f"{args.steps} steps, pad {pad}: {len(uses)} distinct shapes; a cuDNN plan {plan:.0f} ms, steps "
+          f"{fast:.1f} ms (cuDNN) / {slow:.1f} ms (without); break-even after {k} uses of a shape")
+    for name, sec in res["projected_s"].items():
+        print(f"  {name:22s} {sec:8.1f} s")
+    return res
+
+
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -133,8 +184,12 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--sdpa", choices=["default", "no-cudnn", "both"], default="default",
                    help="no-cudnn: SDPA's cuDNN backend off (CUDA only)")
     p.add_argument("--json", default=None)
+    p.add_argument("--project", default=None, metavar="JSON",
+                   help="no training: project --steps steps' attention cost per cuDNN policy from a GPU run's --json")
     p.add_argument("--variant", default=None, help=argparse.SUPPRESS)  # "<pad>:<sdpa>", run in a child process
     args = p.parse_args(argv)
+    if args.project:
+        return [project(args)]
     if args.variant:
         pad, sdpa = args.variant.split(":")
         args.variant_pad, args.variant_sdpa = int(pad), sdpa

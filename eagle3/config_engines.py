@@ -30,8 +30,8 @@ class HFEngineConfig:
     # a preallocated cache and the decode step replayed from one CUDA graph per batch shape, no
     # compilation (CUDA only); dynamic = DynamicCache, eager; static = transformers' StaticCache,
     # decode step compiled: it wins only at fixed shapes and was 1.9-2.7x slower on real extraction
-    # (a compilation per prompt width). auto = graphs on CUDA (1.87x eager at batch 256 on one H200,
-    # 0.56x compiled static; docs/performance.md), dynamic on CPU.
+    # (a compilation per prompt width). auto = graphs on CUDA (with gqa_fold: 1.56-1.60x compiled
+    # static at batch 256 on one H100, 0.62-0.64x without; docs/performance.md), dynamic on CPU.
     generate_cache: str = "auto"
     # Evaluation's batch-1 decoding (baseline and speculative): static = preallocated KV caches
     # for target and drafter (eagle3.spec.slots), forwards replayed from CUDA graphs on CUDA
@@ -45,8 +45,8 @@ class HFEngineConfig:
     # 1.41x faster, speculative 1.24x; docs/performance.md; off with workers > 1), off for extraction (its batched decoder and
     # capture were 4-6x slower with the attention compiled: a per-layer mask kernel). Set true for
     # extraction, the hf engine keeps SDPA eager between the compiled pieces of each layer: its
-    # batched decoder then ran 1.15x the uncompiled one at batch 256 (docs/performance.md), not yet
-    # timed in a whole extraction.
+    # batched decoder then ran 1.15x the uncompiled one at batch 256, and 1.48x with gqa_fold
+    # (2.32-2.37x compiled static generate; docs/performance.md), not yet timed in a whole extraction.
     compile_layers: Optional[bool] = None
     # Attend with the query heads of each kv group folded into the query axis (eagle3.gqa) in
     # decode steps, verify passes and draft steps, instead of repeat_kv copies of the whole KV

@@ -35,9 +35,10 @@
 # engines serve it, docs/results.md 2026-12-05 tenth session): SWEEP="drafter.num_layers=1,2".
 # bench_train_compile and bench_loader (not in the default STAGES): loop.compile_drafter and loop.fused_loss timed against eager,
 # and the batches/s the training data path delivers (is it what holds the first ~1,500 steps at 2-5 steps/s?).
-# bench_shapes (not in the default STAGES): is the slow start (the first ~500 steps at about a third of the
-# later rate) the attention kernels' setup for each new batch shape? benchmarks/train_shapes.py replays the
-# shapes of a run, padded to 16 or 128, with SDPA's cuDNN backend on and off.
+# bench_shapes (not in the default STAGES): the slow start (the first ~500 steps at about a third of the
+# later rate) is cuDNN attention's setup for each new batch shape, about 240 ms each (one H100, sixteenth
+# session); benchmarks/train_shapes.py replays the shapes of a run, padded to 16 or 128, with SDPA's cuDNN
+# backend on and off. experiment=h200 pads to 128 since (projected 13% of the training steps' time).
 # bench_train_flex (not in the default STAGES): drafter.ttt_attention=flex (block-sparse TTT attention) checked
 # against the dense mask's gradients on the GPU, then timed against it on the Kimi-shaped drafter.
 # bench_regen (not in the default STAGES): benchmarks/regenerate_speed.py at batch 256. extract_gsm8k regenerates the train and validation splits that

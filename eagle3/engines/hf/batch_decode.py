@@ -7,7 +7,10 @@ eager path on real extraction (``docs/performance.md``). :class:`BatchDecoder` t
 the compiled path's speed without compiling: the decode step of a ``[B, S]`` batch
 (``B`` rows, ``S`` slots) is captured once as a CUDA graph
 (:class:`eagle3.spec.graphs.GraphedCall`) and replayed for every step; a new batch
-shape costs one capture (three eager steps), not a compilation.
+shape costs one capture (three eager steps), not a compilation. With the folded GQA attention
+(``engine.gqa_fold``, :mod:`eagle3.gqa`; on by default on CUDA) the step reads the cache once
+instead of a ``repeat_kv`` copy of it: 1.56-1.60x transformers' compiled path at batch 256 on
+one H100 (0.62-0.64x without; ``docs/performance.md``).
 
 * Cache (:class:`FlatSlotCache`): one flat ``[capacity, kv, d]`` key and value buffer
   per layer, allocated once; a batch of shape ``(B, S)`` uses its first ``B * S * kv * d``
@@ -94,9 +97,10 @@ class FlatSlotCache:
 
     def _view(self, buf: torch.Tensor) -> torch.Tensor:
         """The first ``B * kv * S * d`` elements of ``buf`` as a contiguous ``[B, kv, S, d]``
-        (the layout attention reads; transformers repeats K/V for GQA from it, since an
-        explicit mask rules out SDPA's own GQA). A permuted ``[B, S, kv, d]`` view did the
-        same at the same speed on one H200 (0.59x compiled ``generate`` either way)."""
+        (the layout attention reads: the folded GQA attention of :mod:`eagle3.gqa` as it is,
+        transformers' ``sdpa`` after repeating K/V per query head, since an explicit mask rules
+        out SDPA's own GQA). A permuted ``[B, S, kv, d]`` view did the same at the same speed on
+        one H200 (0.59x compiled ``generate`` either way, before the fold)."""
         B, S, kv, d = self.rows, self.width, buf.shape[1], buf.shape[2]
         return buf.view(-1)[: B * kv * S * d].view(B, kv, S, d)
 
