@@ -11,11 +11,11 @@ import torch
 from eagle3.engines.hf.batch_decode import BatchDecoder
 from eagle3.errors import Eagle3Error
 from eagle3.evaluate.run import decoding_path
-from eagle3.spec import SpecSettings, StaticEagle3Proposer, StaticTargetRunner, build_decoder
+from eagle3.spec import SpecSettings, build_decoder
 from eagle3.spec.compiled import SDPA_OUTSIDE_COMPILE, compile_decoder_layers, layers_compiled
 from test_batch_decode import reference, seqs_of
 from test_spec_decode import AUX, PROMPT, greedy_reference, tiny_drafter, tiny_target
-from test_static_decode import forced_run
+from test_static_decode import assert_same_forced_decoding
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -87,16 +87,7 @@ def test_speculative_decoding_with_compiled_target_layers_equals_eager(pair):
     drafter = tiny_drafter(eager)
     twin = copy.deepcopy(drafter)
     assert compile_decoder_layers(twin) == 2  # its one layer + its norm
-    runs = []
-    for model, d in ((eager, drafter), (compiled, twin)):
-        runs.append(forced_run(StaticTargetRunner(model, AUX, max_len=160, min_span=8),
-                               StaticEagle3Proposer(d, AUX, max_len=160, min_span=8), ref, s))
-    (a, acalls), (b, bcalls) = runs
-    assert b.tokens == a.tokens == ref[len(PROMPT):]
-    assert b.accept_counts == a.accept_counts and max(a.accept_counts) == 3
-    assert [c[:3] for c in bcalls] == [c[:3] for c in acalls]
-    for x, y in zip(bcalls, acalls):
-        torch.testing.assert_close(x[3], y[3], atol=1e-4, rtol=1e-4)
+    assert_same_forced_decoding([(eager, drafter), (compiled, twin)], ref, s)
     dec = build_decoder(compiled, drafter, AUX, s, [], max_prompt_tokens=64, static=True)
     assert decoding_path(dec) == "static KV caches + compiled layers"  # the report says so (no graphs on CPU)
     assert decoding_path(build_decoder(eager, drafter, AUX, s, [], max_prompt_tokens=64)) == "dynamic KV caches"

@@ -18,10 +18,10 @@ from eagle3.engines.hf.attention import (
 from eagle3.engines.hf.batch_decode import BatchDecoder
 from eagle3.errors import Eagle3Error
 from eagle3.gqa import FOLD_MAX_QUERIES, can_fold, fold_drafter_attention, folded_gqa_sdpa
-from eagle3.spec import SpecSettings, StaticEagle3Proposer, StaticTargetRunner
+from eagle3.spec import SpecSettings
 from test_batch_decode import reference, seqs_of
 from test_spec_decode import AUX, PROMPT, greedy_reference, tiny_drafter, tiny_target
-from test_static_decode import forced_run
+from test_static_decode import assert_same_forced_decoding
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -146,16 +146,7 @@ def test_speculative_decoding_with_the_folded_attention_equals_repeat_kv(fold_ca
     folded, folded_drafter = copy.deepcopy(eager), copy.deepcopy(drafter)
     use_gqa_sdpa(folded)
     assert fold_drafter_attention(folded_drafter) == 1
-    runs = []
-    for model, d in ((eager, drafter), (folded, folded_drafter)):
-        runs.append(forced_run(StaticTargetRunner(model, AUX, max_len=160, min_span=8),
-                               StaticEagle3Proposer(d, AUX, max_len=160, min_span=8), ref, s))
-    (a, acalls), (b, bcalls) = runs
-    assert b.tokens == a.tokens == ref[len(PROMPT):]
-    assert b.accept_counts == a.accept_counts and max(a.accept_counts) == 3
-    assert [c[:3] for c in bcalls] == [c[:3] for c in acalls]
-    for x, y in zip(bcalls, acalls):
-        torch.testing.assert_close(x[3], y[3], atol=1e-4, rtol=1e-4)
+    b = assert_same_forced_decoding([(eager, drafter), (folded, folded_drafter)], ref, s)
     drafter_calls = fold_calls["drafter"]  # the drafter's folded calls run through grouped_attention too
     assert fold_calls["target"] - drafter_calls == 3 * (1 + len(b.accept_counts))  # the 7-token prefill, every verify pass
     assert fold_calls["drafter"] >= 3 * len(b.accept_counts)  # the draft steps of every round

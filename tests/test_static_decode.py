@@ -65,6 +65,22 @@ def forced_run(runner, proposer, ref, settings):
     return res, rec.calls
 
 
+def assert_same_forced_decoding(pairs, ref, settings):
+    """Forced-decode PROMPT with each ``(target, drafter)`` of ``pairs`` (two) on static caches
+    (spans of 8: rounds verify 1..4 positions) and check the second equals the first: the same
+    tokens (the greedy reference's), accept counts, drafter call arguments and drafter logits.
+    Returns the second run's result."""
+    runs = [forced_run(StaticTargetRunner(m, AUX, max_len=160, min_span=8),
+                       StaticEagle3Proposer(d, AUX, max_len=160, min_span=8), ref, settings) for m, d in pairs]
+    (a, acalls), (b, bcalls) = runs
+    assert b.tokens == a.tokens == ref[len(PROMPT):]
+    assert b.accept_counts == a.accept_counts and max(a.accept_counts) == settings.num_steps
+    assert [c[:3] for c in bcalls] == [c[:3] for c in acalls]
+    for x, y in zip(bcalls, acalls):
+        torch.testing.assert_close(x[3], y[3], atol=1e-4, rtol=1e-4)
+    return b
+
+
 # ----------------------------------------------------------------------------- SlotCache
 def test_slot_cache_writes_at_slots_moves_paths_and_refuses_overflow():
     c = SlotCache(num_layers=2, num_kv_heads=1, head_dim=2, max_len=6, dtype=torch.float32, device="cpu")
