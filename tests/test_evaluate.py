@@ -419,6 +419,16 @@ def test_real_smollm2_stage_end_to_end(tmp_path, capsys):
     assert len((tmp_path / "eval2" / "samples.jsonl").read_text().splitlines()) == 4
     assert (tmp_path / "eval2" / "workers" / "1-of-2" / "report.json").exists()
 
+    # engine.gqa_fold=true (auto: CUDA only): the folded attention in target and drafter, the same measures
+    cfg.workers, cfg.devices, cfg.output_dir = 1, [], str(tmp_path / "eval3")
+    cfg.engine.gqa_fold = True
+    folded = run_evaluate(cfg)
+    assert folded["settings"]["decoding"].endswith(" + folded GQA attention")
+    for name in ("gsm8k", "humaneval"):
+        a, b = results["benchmarks"][name], folded["benchmarks"][name]
+        for k in ("acceptance_length", "verify_passes", "generated_tokens", "lossless_matches"):
+            assert a[k] == b[k], (name, k)
+
 
 def test_finished_benchmarks_are_resumed(tmp_path):
     from eagle3.evaluate.resume import load_partial, save_partial
