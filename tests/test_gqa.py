@@ -216,3 +216,31 @@ def test_the_report_names_the_folded_attention():
     use_gqa_sdpa(model)
     assert (decoding_path(build_decoder(model, drafter, AUX, s, [], max_prompt_tokens=64, static=True))
             == "static KV caches + folded GQA attention")
+
+
+def test_an_engine_with_compiled_layers_generates_with_the_compile_disabled_folded_key(tiny_target_dir, tmp_path,
+                                                                                      monkeypatch):
+    """engine.compile_layers on (what CUDA gives; forced here) with the fold: generation switches to
+    the folded key kept out of compiled code, registered by the engine itself even in a process
+    where nothing registered it before, and back to the model's outside-compile sdpa key."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    import eagle3.spec.compiled
+    from eagle3.config import HFEngineConfig, ModelConfig
+    from eagle3.engines import build_engine
+    from eagle3.spec.compiled import SDPA_OUTSIDE_COMPILE
+
+    for interface in (AttentionInterface, AttentionMaskInterface):
+        for key in (GQA_SDPA, GQA_SDPA_OUTSIDE_COMPILE):
+            monkeypatch.delitem(interface._global_mapping, key, raising=False)
+    monkeypatch.setattr(eagle3.spec.compiled, "wants_compile", lambda setting, device_type, default: True)
+    cfg = ModelConfig(name="tiny", source=str(tiny_target_dir), aux_layer_ids=[1, 4, 8])
+    eng = build_engine(cfg, HFEngineConfig(device="cpu", gqa_fold=True), tmp_path / "cache", None)
+    try:
+        assert eng.compile_layers and eng.generate_attn == GQA_SDPA_OUTSIDE_COMPILE
+        with eng.generation_attention():
+            assert eng.model.config._attn_implementation == GQA_SDPA_OUTSIDE_COMPILE
+        assert eng.model.config._attn_implementation == SDPA_OUTSIDE_COMPILE
+    finally:
+        eng.close()

@@ -208,7 +208,8 @@ class HFEngine(Engine):
         if self.gqa_fold:  # generation's decode steps attend without repeat_kv copies (eagle3.gqa); capture keeps sdpa
             from eagle3.engines.hf.attention import GQA_SDPA_OUTSIDE_COMPILE, register_gqa_sdpa
 
-            self.generate_attn = register_gqa_sdpa() if not self.compile_layers else GQA_SDPA_OUTSIDE_COMPILE
+            folded = register_gqa_sdpa()  # registers both keys
+            self.generate_attn = GQA_SDPA_OUTSIDE_COMPILE if self.compile_layers else folded
         # what capture attends with, and what generation_attention restores: the model's own
         # (SDPA_OUTSIDE_COMPILE once compiled as above), not the configured name
         self.capture_attn = getattr(model.config, "_attn_implementation", None) or engine_cfg.attn_implementation
