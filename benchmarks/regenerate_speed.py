@@ -96,7 +96,7 @@ def main(argv=None) -> dict:
 
         target = model
         if fold:
-            from eagle3.engines.hf.attention import use_gqa_sdpa
+            from eagle3.gqa import use_gqa_sdpa
 
             target = copy.deepcopy(model)
             use_gqa_sdpa(target)

@@ -51,7 +51,7 @@ def main(argv=None) -> dict:
     aux_ids = _aux_ids(target.config.num_hidden_layers)
     drafter = _drafter(target, a.draft_vocab, dev, getattr(torch, a.dtype), a.drafter_layers)
     if a.gqa_fold:
-        from eagle3.engines.hf.attention import use_gqa_sdpa
+        from eagle3.gqa import use_gqa_sdpa
         from eagle3.gqa import fold_drafter_attention
 
         use_gqa_sdpa(target)

@@ -169,7 +169,7 @@ def main(argv=None) -> dict:
         (``compiled``) and attending with the folded GQA attention (``fold``, eagle3.gqa)."""
         import copy
 
-        from eagle3.engines.hf.attention import use_gqa_sdpa
+        from eagle3.gqa import use_gqa_sdpa
         from eagle3.gqa import fold_drafter_attention
         from eagle3.spec.compiled import compile_decoder_layers
 

@@ -9,15 +9,18 @@ import copy
 import pytest
 import torch
 
-from eagle3.engines.hf.attention import (
+from eagle3.engines.hf.batch_decode import BatchDecoder
+from eagle3.errors import Eagle3Error
+from eagle3.gqa import (
+    FOLD_MAX_QUERIES,
     GQA_SDPA,
     GQA_SDPA_OUTSIDE_COMPILE,
+    can_fold,
+    fold_drafter_attention,
+    folded_gqa_sdpa,
     gqa_sdpa_attention,
     use_gqa_sdpa,
 )
-from eagle3.engines.hf.batch_decode import BatchDecoder
-from eagle3.errors import Eagle3Error
-from eagle3.gqa import FOLD_MAX_QUERIES, can_fold, fold_drafter_attention, folded_gqa_sdpa
 from eagle3.spec import SpecSettings
 from test_batch_decode import reference, seqs_of
 from test_spec_decode import AUX, PROMPT, greedy_reference, tiny_drafter, tiny_target

@@ -180,7 +180,7 @@ def _load_in_process(cfg, meta: dict, manifest: Optional[dict], warnings: list[s
     from eagle3.gqa import fold_drafter_attention, wants_fold
 
     if wants_fold(getattr(cfg.engine, "gqa_fold", None), device.type, cfg.engine.attn_implementation):
-        from eagle3.engines.hf.attention import use_gqa_sdpa
+        from eagle3.gqa import use_gqa_sdpa
 
         use_gqa_sdpa(model)  # before compiling: the folded attention is traced into the layers
         fold_drafter_attention(drafter)
@@ -268,7 +268,7 @@ def decoding_path(decoder) -> str:
     from eagle3.spec import StaticTargetRunner
     from eagle3.spec.compiled import layers_compiled
 
-    from eagle3.engines.hf.attention import GQA_SDPA, GQA_SDPA_OUTSIDE_COMPILE
+    from eagle3.gqa import GQA_SDPA, GQA_SDPA_OUTSIDE_COMPILE
 
     tail = " + compiled layers" if layers_compiled(decoder.runner.model) else ""
     if getattr(decoder.runner.model.config, "_attn_implementation", None) in (GQA_SDPA, GQA_SDPA_OUTSIDE_COMPILE):

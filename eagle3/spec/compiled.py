@@ -52,20 +52,20 @@ from __future__ import annotations
 import torch
 
 from eagle3.devices import compile_in_place
-from eagle3.engines.hf.attention import GQA_SDPA, GQA_SDPA_OUTSIDE_COMPILE
+from eagle3.gqa import GQA_SDPA, GQA_SDPA_OUTSIDE_COMPILE
 from eagle3.errors import Eagle3Error
 
 
 # transformers attention-implementation key of sdpa kept outside compiled code (module docstring)
 SDPA_OUTSIDE_COMPILE = "eagle3_sdpa_outside_compile"
-# every attention implementation key that runs outside compiled code (this one and eagle3.engines.hf.attention's)
+# every attention implementation key that runs outside compiled code (this one and eagle3.gqa's)
 OUTSIDE_COMPILE = (SDPA_OUTSIDE_COMPILE, GQA_SDPA_OUTSIDE_COMPILE)
 
 
 def use_sdpa_outside_compile(model) -> None:
     """Switch a transformers model from ``sdpa`` to :data:`SDPA_OUTSIDE_COMPILE` (the same
     function and mask, never traced by Dynamo), or from the folded GQA attention
-    (:data:`eagle3.engines.hf.attention.GQA_SDPA`) to its compile-disabled twin; registers the
+    (:data:`eagle3.gqa.GQA_SDPA`) to its compile-disabled twin; registers the
     key on first use. Idempotent.
 
     Raises:

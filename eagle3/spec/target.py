@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 import torch
 
 from eagle3.errors import Eagle3Error
-from eagle3.engines.hf.attention import GQA_DECODE, GQA_SDPA
+from eagle3.gqa import GQA_DECODE, GQA_SDPA
 from eagle3.spec.compiled import OUTSIDE_COMPILE
 
 
@@ -29,7 +29,7 @@ def explicit_mask(visible: torch.Tensor, attn_implementation: str, dtype: torch.
     """A 4D bool visibility mask (``[B, 1, n, S]``, True = attend) in the form an attention
     implementation reads: ``sdpa`` takes it as is, ``eager`` an additive mask in ``dtype``
     (0 = attend, the dtype's minimum = masked; transformers ``eager_attention_forward``); the
-    GQA attentions of :mod:`eagle3.engines.hf.attention` (folded SDPA, CPU decode) and the
+    GQA attentions (:mod:`eagle3.gqa`, :mod:`eagle3.engines.hf.attention`) and the
     compile-disabled keys of :mod:`eagle3.spec.compiled` read it as ``sdpa`` does.
 
     Raises:

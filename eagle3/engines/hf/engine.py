@@ -206,7 +206,7 @@ class HFEngine(Engine):
 
         self.gqa_fold = wants_fold(getattr(engine_cfg, "gqa_fold", None), device.type, engine_cfg.attn_implementation)
         if self.gqa_fold:  # generation's decode steps attend without repeat_kv copies (eagle3.gqa); capture keeps sdpa
-            from eagle3.engines.hf.attention import GQA_SDPA_OUTSIDE_COMPILE, register_gqa_sdpa
+            from eagle3.gqa import GQA_SDPA_OUTSIDE_COMPILE, register_gqa_sdpa
 
             folded = register_gqa_sdpa()  # registers both keys
             self.generate_attn = GQA_SDPA_OUTSIDE_COMPILE if self.compile_layers else folded
