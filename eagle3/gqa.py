@@ -3,15 +3,16 @@
 With grouped-query attention (GQA) each key/value head serves ``g = Hq / Hk`` query heads.
 transformers' ``sdpa`` path (``sdpa_attention_forward``) and the drafter's decoding path copy
 every key and value head ``g`` times (``repeat_kv``) before SDPA whenever a mask is given,
-because SDPA's own ``enable_gqa`` takes no fused kernel with a mask. For one or a few new
+because SDPA's own ``enable_gqa`` then falls back to its math kernel (transformers'
+``use_gqa_in_sdpa``). For one or a few new
 queries over a long cache that copy is the attention's largest cost: at batch 256 over 384
 slots a SmolLM2-shaped layer (9 query / 3 kv heads, head dim 64) writes 226 MB of repeated
 keys and values per layer and step to read them back once, against 75 MB of cache.
 
 The query heads of a group can instead be folded into the query axis (the decode-time GQA
 layout of FlashDecoding and of the serving engines' paged kernels): ``q [B, Hq, Q, d]`` is
-viewed as ``[B, Hk, g * Q, d]``, where row ``i * Q + t`` holds query head ``Hk_j * g + i``'s
-token ``t`` (transformers' ``repeat_kv`` order: query head ``h`` reads kv head ``h // g``),
+viewed as ``[B, Hk, g * Q, d]``, where row ``i * Q + t`` of kv head ``j`` holds query head
+``j * g + i``'s token ``t`` (transformers' ``repeat_kv`` order: query head ``h`` reads kv head ``h // g``),
 and attends to the un-repeated ``[B, Hk, S, d]`` cache. The mask ``[B, 1, Q, S]`` is shared by
 the heads, so row ``i * Q + t`` takes mask row ``t``: the mask is repeated ``g`` times along
 the query axis when ``Q > 1`` and broadcast when ``Q == 1``. Every score is the one ``repeat_kv``

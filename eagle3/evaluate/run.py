@@ -177,11 +177,9 @@ def _load_in_process(cfg, meta: dict, manifest: Optional[dict], warnings: list[s
     # faster compiled; off for parallel workers sharing a GPU (their tok/s are not batch-1 figures,
     # and each would spend about 50 s compiling)
     alone = int(getattr(cfg, "workers", 1) or 1) == 1
-    from eagle3.gqa import fold_drafter_attention, wants_fold
+    from eagle3.gqa import fold_drafter_attention, use_gqa_sdpa, wants_fold
 
     if wants_fold(getattr(cfg.engine, "gqa_fold", None), device.type, cfg.engine.attn_implementation):
-        from eagle3.gqa import use_gqa_sdpa
-
         use_gqa_sdpa(model)  # before compiling: the folded attention is traced into the layers
         fold_drafter_attention(drafter)
     if wants_compile(getattr(cfg.engine, "compile_layers", None), device.type, default=alone):
@@ -265,10 +263,9 @@ def decoding_path(decoder) -> str:
     or ``dynamic KV caches``, with `` + compiled layers`` when the target's layers are compiled
     (``engine.compile_layers``) and `` + folded GQA attention`` when it attends so
     (``engine.gqa_fold``; the report's ``settings.decoding``)."""
+    from eagle3.gqa import GQA_SDPA, GQA_SDPA_OUTSIDE_COMPILE
     from eagle3.spec import StaticTargetRunner
     from eagle3.spec.compiled import layers_compiled
-
-    from eagle3.gqa import GQA_SDPA, GQA_SDPA_OUTSIDE_COMPILE
 
     tail = " + compiled layers" if layers_compiled(decoder.runner.model) else ""
     if getattr(decoder.runner.model.config, "_attn_implementation", None) in (GQA_SDPA, GQA_SDPA_OUTSIDE_COMPILE):

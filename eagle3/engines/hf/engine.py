@@ -202,12 +202,10 @@ class HFEngine(Engine):
         self.compile_layers = wants_compile(getattr(engine_cfg, "compile_layers", None), device.type, default=False)
         if self.compile_layers:
             compile_decoder_layers(model, attention_in_graph=engine_cfg.attn_implementation != "sdpa")
-        from eagle3.gqa import wants_fold
+        from eagle3.gqa import GQA_SDPA_OUTSIDE_COMPILE, register_gqa_sdpa, wants_fold
 
         self.gqa_fold = wants_fold(getattr(engine_cfg, "gqa_fold", None), device.type, engine_cfg.attn_implementation)
         if self.gqa_fold:  # generation's decode steps attend without repeat_kv copies (eagle3.gqa); capture keeps sdpa
-            from eagle3.gqa import GQA_SDPA_OUTSIDE_COMPILE, register_gqa_sdpa
-
             folded = register_gqa_sdpa()  # registers both keys
             self.generate_attn = GQA_SDPA_OUTSIDE_COMPILE if self.compile_layers else folded
         # what capture attends with, and what generation_attention restores: the model's own
