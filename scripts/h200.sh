@@ -39,6 +39,8 @@
 # later rate) is cuDNN attention's setup for each new batch shape, about 240 ms each (one H100, sixteenth
 # session); benchmarks/train_shapes.py replays the shapes of a run, padded to 16 or 128, with SDPA's cuDNN
 # backend on and off. experiment=h200 pads to 128 since (projected 13% of the training steps' time).
+# bench_train_ops (not in the default STAGES): one Kimi-shaped training step profiled by aten operator and input shape
+# (benchmarks/train_throughput.py --profile-ops), to find the small kernels that the 50% MFU target needs gone.
 # bench_train_flex (not in the default STAGES): drafter.ttt_attention=flex (block-sparse TTT attention) checked
 # against the dense mask's gradients on the GPU, then timed against it on the Kimi-shaped drafter.
 # bench_regen (not in the default STAGES): benchmarks/regenerate_speed.py at batch 256. extract_gsm8k regenerates the train and validation splits that
@@ -168,6 +170,10 @@ for stage in $STAGES; do
     python -m pytest -q tests/test_ttt.py -k flex 2>&1 | tee "$RUN/bench_train_flex.log"
     python benchmarks/train_throughput.py --device cuda --model kimi --iters 5 --attention both --compile on --rounds 2 \
       --json "$RUN/bench_train_flex.json" 2>&1 | tee -a "$RUN/bench_train_flex.log"
+    ;;
+  bench_train_ops)  # the Kimi-shaped step's GPU time by aten operator and shape: which small kernels stand between 43.5% and 50% MFU
+    python benchmarks/train_throughput.py --device cuda --model kimi --iters 5 --compile on --gqa on --profile \
+      --profile-ops "$RUN/bench_train_ops.txt" 2>&1 | tee "$RUN/bench_train_ops.log"
     ;;
   bench_shapes)  # the first steps' new batch shapes against repeated ones, by loop.pad_multiple and SDPA backend
     python benchmarks/train_shapes.py --device cuda --steps 600 --pad-multiple 16,128 --sdpa both \
