@@ -1,10 +1,10 @@
 """Grouped-query attention for a few queries, without repeating the keys and values.
 
 With grouped-query attention (GQA) each key/value head serves ``g = Hq / Hk`` query heads.
-transformers' ``sdpa`` path (``sdpa_attention_forward``) and the drafter's decoding path copy
-every key and value head ``g`` times (``repeat_kv``) before SDPA whenever a mask is given,
-because SDPA's own ``enable_gqa`` then falls back to its math kernel (transformers'
-``use_gqa_in_sdpa``). For one or a few new
+transformers' ``sdpa`` path (``sdpa_attention_forward``) copies every key and value head ``g``
+times (``repeat_kv``) before SDPA whenever a mask is given, because SDPA's own ``enable_gqa``
+then falls back to its math kernel (transformers' ``use_gqa_in_sdpa``); the drafter's draft
+steps copy them always. For one or a few new
 queries over a long cache that copy is the attention's largest cost: at batch 256 over 384
 slots a SmolLM2-shaped layer (9 query / 3 kv heads, head dim 64) writes 226 MB of repeated
 keys and values per layer and step to read them back once, against 75 MB of cache.
@@ -20,7 +20,7 @@ would give, so the result is the same attention (equal in float32 up to summatio
 ``tests/test_gqa.py``).
 
 Worth it only for few queries: the folded query axis is ``g`` times longer, and the repeated
-mask costs ``B * g * Q * S`` bytes, so prefill (``Q`` in the hundreds) keeps ``repeat_kv``;
+mask costs ``B * g * Q * S`` elements, so prefill (``Q`` in the hundreds) keeps ``repeat_kv``;
 :data:`FOLD_MAX_QUERIES` is the cut.
 
 For transformers models, :func:`gqa_sdpa_attention` is the same behind transformers' attention
@@ -54,15 +54,16 @@ PASS_THROUGH = ("softcap", "s_aux", "sinks", "position_bias")
 
 def can_fold(query: torch.Tensor, key: torch.Tensor, attn_mask: Optional[torch.Tensor]) -> bool:
     """Whether :func:`folded_gqa_sdpa` applies: grouped heads (``Hq`` a multiple ``> 1`` of
-    ``Hk``), at most :data:`FOLD_MAX_QUERIES` queries, and a mask shared by all heads
-    (``[B or 1, 1, Q, S]``) or no mask for a single query (``Q > 1`` without a mask would
-    need causal masking, which the folded layout cannot express)."""
+    ``Hk``), at most :data:`FOLD_MAX_QUERIES` queries, and a mask shared by all heads with one
+    row per query (``[B or 1, 1, Q, S]``), or no mask for a single query. ``Q > 1`` without a
+    mask means SDPA's ``is_causal``, whose upper-left alignment does not survive the folding
+    (an explicit causal mask folds)."""
     hq, hk, q_len = query.shape[1], key.shape[1], query.shape[2]
     if hq == hk or hq % hk or q_len > FOLD_MAX_QUERIES:
         return False
     if attn_mask is None:
         return q_len == 1
-    return attn_mask.dim() == 4 and attn_mask.shape[1] == 1
+    return attn_mask.dim() == 4 and attn_mask.shape[1] == 1 and attn_mask.shape[2] == q_len
 
 
 def folded_gqa_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

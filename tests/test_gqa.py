@@ -97,6 +97,7 @@ def test_fold_refuses_what_it_cannot_express():
     assert not can_fold(torch.zeros(1, 4, FOLD_MAX_QUERIES + 1, 4), k, torch.ones(1, 1, FOLD_MAX_QUERIES + 1, 8, dtype=torch.bool))
     assert not can_fold(torch.zeros(1, 4, 3, 4), k, None)  # several queries need a mask (no causal form)
     assert not can_fold(torch.zeros(1, 4, 3, 4), k, torch.ones(1, 4, 3, 8, dtype=torch.bool))  # a per-head mask
+    assert not can_fold(torch.zeros(1, 4, 3, 4), k, torch.ones(1, 1, 1, 8, dtype=torch.bool))  # one row for 3 queries
     assert can_fold(torch.zeros(1, 4, 3, 4), k, torch.ones(1, 1, 3, 8, dtype=torch.bool))
     with pytest.raises(ValueError, match="shared by all heads"):
         folded_gqa_sdpa(torch.zeros(1, 4, 3, 4), k, k, torch.ones(1, 4, 3, 8, dtype=torch.bool))

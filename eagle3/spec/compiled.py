@@ -70,7 +70,7 @@ def use_sdpa_outside_compile(model) -> None:
 
     Raises:
         Eagle3Error: a model without ``set_attn_implementation`` (the drafter), or one whose
-            attention implementation is not ``sdpa``.
+            attention implementation is neither ``sdpa`` nor the folded GQA attention.
     """
     impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if impl in OUTSIDE_COMPILE:
