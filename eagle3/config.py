@@ -24,10 +24,9 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 # The engine schemas (hf, sglang, vllm) live in eagle3/config_engines.py; re-exported here.
-from eagle3.config_engines import HFEngineConfig, SGLangEngineConfig, VLLMEngineConfig  # noqa: F401
+from eagle3.config_engines import FeaturesConfig, HFEngineConfig, SGLangEngineConfig, VLLMEngineConfig  # noqa: F401
 
 
-# --------------------------------------------------------------------------- model
 @dataclass
 class QuantizationConfig:
     """How the served target's weights are quantised.
@@ -104,7 +103,6 @@ class ModelConfig:
     serve: ServeConfig = field(default_factory=ServeConfig)
 
 
-# ---------------------------------------------------------------------------- data
 @dataclass
 class DataConfig:
     """Prompt source.
@@ -127,7 +125,6 @@ class DataConfig:
     splits: list[str] = field(default_factory=lambda: ["train", "validation"])
 
 
-# ------------------------------------------------------------------------- extract
 @dataclass
 class SamplingConfig:
     """Regeneration settings (default greedy; 128 new tokens, as evaluation decodes)."""
@@ -182,21 +179,21 @@ class ExtractConfig:
             {"model": "smollm2-135m-int4"},
             {"engine": "hf"},
             {"data": "sharegpt"},
+            {"features": "offline"},
         ]
     )
     model: ModelConfig = MISSING
     engine: Any = MISSING
     data: DataConfig = MISSING
+    features: FeaturesConfig = field(default_factory=FeaturesConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     capture: CaptureConfig = field(default_factory=CaptureConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    # Defaults are interpolations resolved by Hydra (eagle3.paths); the YAML sets hydra.run.dir to output_dir.
     output_dir: str = "data/features/${model.name}/${data.name}"
     cache_dir: str = "data/models"
     seed: int = 0
 
 
-# --------------------------------------------------------------------------- train
 @dataclass
 class DrafterConfig:
     """EAGLE-3 drafter architecture and training-time test.
@@ -227,8 +224,7 @@ class DrafterConfig:
     # (eagle3.train.noise; a regulariser, EAGLE's feature noise); 0 = off
     feature_noise: float = 0.0
     # the loss's target distribution at this temperature, q ∝ p^(1/t) over the stored top-k (training and
-    # validation loss; top-1 metrics unchanged): 1 = the target's own; < 1 sharpens toward its argmax.
-    # Measured small on CPU (docs/results.md, 2026-12-05): 0.2, 0.5 and 2 validate worse than 1, decoded tau unchanged
+    # validation loss; top-1 metrics unchanged): 1 = the target's own; < 1 sharpens toward its argmax
     target_temperature: float = 1.0
 
 
@@ -264,13 +260,12 @@ class LoopConfig:
     # draft vocabulary counted over the subset): a learning curve (-m loop.train_fraction=0.25,0.5,1)
     train_fraction: float = 1.0
     # compile the drafter's norms and MLPs with inductor (eagle3/train/fused.py: fused elementwise
-    # kernels, forward and backward); the weights and checkpoints are the eager drafter's, so a run
-    # may resume with it changed. Kimi-shaped drafter on one H200: 0.954x the eager step (MFU 41.6% ->
-    # 43.7%); off by default (compile time at start, untested with FSDP, slower on CPU; docs/performance.md)
+    # kernels, forward and backward); checkpoints are the eager drafter's, so a run may resume with it
+    # changed. Off by default: compile time at start, untested with FSDP, slower on CPU (docs/performance.md)
     compile_drafter: bool = False
     # the loss through lm_head chunk by chunk without keeping the [rows, draft vocab] logits for the
     # backward pass (eagle3/train/loss.py: the same loss and gradients); not with FSDP. A memory
-    # lever: Kimi-shaped on one H200, 2.8 GB less peak memory and a 1.15x slower step
+    # lever that costs step time (docs/performance.md)
     fused_loss: bool = False
 
 
@@ -288,10 +283,14 @@ class TrainConfig:
             "_self_",
             {"model": "smollm2-135m-int4"},
             {"data": "sharegpt"},
+            {"engine": "hf"},
+            {"features": "offline"},
         ]
     )
     model: ModelConfig = MISSING
     data: DataConfig = MISSING
+    engine: Any = field(default_factory=HFEngineConfig)  # features=online: the capture engine
+    features: FeaturesConfig = field(default_factory=FeaturesConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     loop: LoopConfig = field(default_factory=LoopConfig)
@@ -303,7 +302,6 @@ class TrainConfig:
     seed: int = 0
 
 
-# ------------------------------------------------------------------------ evaluate
 @dataclass
 class SpeculativeConfig:
     """Same meaning as SGLang's ``--speculative-num-steps``,
@@ -396,4 +394,5 @@ def register_configs() -> None:
     cs.store(group="engine", name="sglang_schema", node=SGLangEngineConfig)
     cs.store(group="engine", name="vllm_schema", node=VLLMEngineConfig)
     cs.store(group="drafter", name="drafter_schema", node=DrafterConfig)
+    cs.store(group="features", name="features_schema", node=FeaturesConfig)
     cs.store(group="optim", name="optim_schema", node=OptimConfig)

@@ -1,4 +1,5 @@
-"""The engine schemas of the one typed configuration (:mod:`eagle3.config` re-exports them).
+"""The engine schemas of the one typed configuration, and where training's features come from
+(:mod:`eagle3.config` re-exports them).
 
 ``engine=hf`` runs the target in this process; ``engine=sglang`` and ``engine=vllm`` reach
 a real server (connected by URL or launched with the engine's own Python, since each
@@ -157,6 +158,34 @@ class VLLMEngineConfig:
     max_retries: int = 3
     backoff_s: float = 2.0
     extra_args: list[str] = field(default_factory=list)
+
+
+@dataclass
+class FeaturesConfig:
+    """Where the drafter's features (aux hidden states, target top-k) come from: the ``features=``
+    group (``conf/features/``).
+
+    ``mode``: ``offline`` -- ``extract.py`` captures them into the features store and
+    ``train.py`` reads them back; ``none`` (extract only) -- ``extract.py`` writes the kept
+    replies alone (token ids, loss masks, provenance; about 5 bytes a token); ``online``
+    (train only) -- ``train.py`` reads the kept replies of any features folder (``none`` or
+    ``offline``) and the capture engine (``engine=``: ``hf`` in process on the trainer's
+    device, or a capture server) computes the features of each micro-batch while the drafter
+    trains, ``queue_depth`` micro-batches ahead (:mod:`eagle3.train.online`). With
+    ``cache_gb > 0`` (hybrid) the features captured are kept on disk in ``cache_dir`` (default
+    ``<output_dir>/feature_cache``) up to that many GB and read back instead of captured again
+    in later epochs. A capture server that fails is retried on the same micro-batch for up to
+    ``retry_timeout_s`` seconds (training waits; no batch is skipped or repeated).
+    """
+
+    mode: str = "offline"  # offline | online (train) | none (extract)
+    queue_depth: int = 4  # online: captured micro-batches waiting for the trainer at most
+    cache_gb: float = 0.0  # online: hybrid cache budget in GB (decimal); 0 = capture every epoch
+    cache_dir: Optional[str] = None  # online: where the hybrid cache lives; None = <output_dir>/feature_cache
+    retry_timeout_s: float = 600.0  # online with a capture server: how long one micro-batch is retried
+
+
+FEATURE_MODES = {"extract": ("offline", "none"), "train": ("offline", "online")}
 
 
 # The schema of each `engine=` choice (conf/engine/<name>.yaml), for checks made before Hydra runs.

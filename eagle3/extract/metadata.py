@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 
 from eagle3.extract.order import bucket_by_turns
-from eagle3.features import LAYOUT_TARGET_IDS, LAYOUT_TEMPLATE_TEXT
+from eagle3.extract.preflight import feature_mode
+from eagle3.features import FEATURES_NONE, LAYOUT_TARGET_IDS, LAYOUT_TEMPLATE_TEXT
 from eagle3.target import chat_template_hash
 
 
@@ -48,6 +49,8 @@ def _metadata(cfg, target, engine, tokenizer) -> dict:
             "dtype": target.dtype,
         },
         "aux_layer_ids": list(target.aux_layer_ids),
+        # what the shards hold (absent = offline: features); none = the kept replies alone (eagle3.features.format)
+        **({"features": FEATURES_NONE} if feature_mode(cfg) == FEATURES_NONE else {}),
         "aux_layer_convention": "hf_output_hidden_states",
         "chat_template_hash": chat_template_hash(tokenizer),
         "engine": engine.info(),

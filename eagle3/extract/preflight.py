@@ -59,8 +59,17 @@ def _check_settings(cfg) -> None:
         raise Eagle3Error(f"capture.max_turns={cap.max_turns} must be at least 1 (or null for all turns)")
     if cap.shard_size_mb <= 0:
         raise Eagle3Error(f"capture.shard_size_mb={cap.shard_size_mb} must be positive")
+    mode = getattr(getattr(cfg, "features", None), "mode", features.FEATURES_OFFLINE)
+    if mode not in (features.FEATURES_OFFLINE, features.FEATURES_NONE):
+        raise Eagle3Error(f"features={mode}: extract.py writes features=offline (the features store) or features=none "
+                          "(the kept replies alone, for train.py features=online)")
     if cap.aux_dtype not in features.AUX_DTYPES:
         raise Eagle3Error(f"capture.aux_dtype={cap.aux_dtype} must be one of {', '.join(features.AUX_DTYPES)}")
+
+
+def feature_mode(cfg) -> str:
+    """What this extraction stores: ``offline`` (features) or ``none`` (the kept replies alone)."""
+    return str(getattr(getattr(cfg, "features", None), "mode", features.FEATURES_OFFLINE))
 
 
 def _estimate_tokens(tokenizer, rows: list[list[dict]], cfg) -> tuple[list[int], int]:
@@ -109,8 +118,9 @@ def preflight(cfg, tokenizer, target, ids: list[str], messages: list[list[dict]]
             f"the first prompt of every selected conversation ({too_long}) alone reaches "
             f"capture.max_length={max_length}, so nothing is trainable; raise capture.max_length or use shorter prompts"
         )
+    stored = feature_mode(cfg)
     per_shard = features.samples_per_shard(cfg.capture.shard_size_mb, target.hidden_size, top_k, sum(est) / len(est),
-                                           cfg.capture.aux_dtype)
+                                           cfg.capture.aux_dtype, stored)
     done_ids: set[str] = set()
     if (out_dir / manifest_name).exists():
         old = features.load_manifest(out_dir, require_complete=False, name=manifest_name)
@@ -118,7 +128,7 @@ def preflight(cfg, tokenizer, target, ids: list[str], messages: list[list[dict]]
         for sh in old.get("shards", []):
             done_ids.update(p[0] for p in old["plan"][sh["index"] * per_shard:(sh["index"] + 1) * per_shard])
     need = features.estimate_bytes(sum(n for i, n in zip(ids, est) if i not in done_ids), target.hidden_size, top_k,
-                                   cfg.capture.aux_dtype)
+                                   cfg.capture.aux_dtype, stored)
     free = free_disk_bytes(out_dir)
     if need * DISK_MARGIN > free:
         raise Eagle3Error(

@@ -203,7 +203,8 @@ def _capture_shard(engine, writer: features.FeatureWriter, index: int, chunk: Pl
     """Capture the rendered samples of shard ``index``, write its side counts and then the shard.
 
     Each record stores ``input_ids [T]`` int32, ``loss_mask [T]`` uint8 and the engine's
-    capture (``aux_hidden_states [T, 3, H]`` bf16, ``topk_ids`` / ``topk_logprobs [T, k]``);
+    capture (``aux_hidden_states [T, 3, H]`` bf16, ``topk_ids`` / ``topk_logprobs [T, k]``), or
+    no capture in a replies-only folder (``features=none``);
     the side counts are written first, so a kept shard always has its counts.
 
     Returns:
@@ -214,7 +215,10 @@ def _capture_shard(engine, writer: features.FeatureWriter, index: int, chunk: Pl
         Eagle3Error: a capture of the wrong shape, or as :meth:`FeatureWriter.write_shard`.
     """
     records_in, dropped, truncated = rendered
-    caps = engine.capture([r[2] for r in records_in], top_k) if records_in else []
+    if features.stored_features(writer.manifest["metadata"]) == features.FEATURES_NONE:
+        caps = [None] * len(records_in)  # the kept replies alone: training captures them (features=online)
+    else:
+        caps = engine.capture([r[2] for r in records_in], top_k) if records_in else []
     records = [
         features.Record(sid, split, torch.tensor(ii, dtype=torch.int32), torch.tensor(mm, dtype=torch.uint8), cap)
         for (sid, split, ii, mm), cap in zip(records_in, caps)

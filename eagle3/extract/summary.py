@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from eagle3 import features
+
 STATS_FILE = "extract_stats.json"  # per-shard counts the manifest does not keep (truncations, generated tokens)
 
 
@@ -50,6 +52,10 @@ def _summary(cfg, target, manifest: dict, side: dict, prompts: int, data_stats: 
         "dropped_reasons": dropped_reasons,
         "bytes": nbytes,
         "bytes_per_token": nbytes / tokens if tokens else 0.0,
+        "features": features.stored_features(manifest["metadata"]),
+        # what the features store of the same tokens would take (eagle3.features.bytes_per_token)
+        "offline_bytes_per_token": features.bytes_per_token(target.hidden_size, int(cfg.capture.top_k),
+                                                            cfg.capture.aux_dtype),
         "data_stats": data_stats,
         "this_run": this_run,
     }
@@ -63,7 +69,9 @@ def format_summary(s: dict) -> str:
         f"  samples {s['samples']} of {s['prompts']} prompts | tokens {s['tokens']} | masked (assistant) tokens {s['masked_tokens']}",
         f"  truncated at max_length {s['truncated']} | generated tokens {s['generated_tokens']} | dropped {s['dropped']}"
         + (f" ({'; '.join(f'{v}: {k}' for k, v in s['dropped_reasons'].items())})" if s["dropped"] else ""),
-        f"  bytes {_human_bytes(s['bytes'])} | bytes per token {s['bytes_per_token']:.0f}",
+        f"  bytes {_human_bytes(s['bytes'])} | bytes per token {s['bytes_per_token']:.1f}"
+        + (f" (kept replies alone, features=none; the features store: {s['offline_bytes_per_token']} a token)"
+           if s.get("features") == "none" else ""),
         f"  this run: {r['samples']} samples, {r['tokens']} tokens captured, {r['generated_tokens']} generated, "
         f"wall time {r['wall_time_s']:.1f} s (total {r['total_time_s']:.1f} s), {r['tokens_per_s']:.1f} tokens/s"
         + (f", {r['resumed_shards']} shards kept from an earlier run" if r["resumed_shards"] else ""),

@@ -42,6 +42,7 @@ Top-k order (:func:`rank_top_k`): by logit, ties by the lower token id, so that
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -51,6 +52,9 @@ FORMAT = "eagle3-features"
 VERSION = 1
 MANIFEST = "manifest.json"
 TENSOR_KEYS = ("input_ids", "loss_mask", "aux_hidden_states", "topk_ids", "topk_logprobs")
+REPLY_KEYS = ("input_ids", "loss_mask")  # all that a replies-only folder stores (metadata.features = none)
+# metadata.features of a manifest: what its shards hold (absent = offline, folders written before the field)
+FEATURES_OFFLINE, FEATURES_NONE = "offline", "none"
 DTYPES = {
     "input_ids": torch.int32,
     "loss_mask": torch.uint8,
@@ -98,21 +102,31 @@ class Capture:
 
 @dataclass
 class Record:
-    """One captured sample: ids ``[T]`` int32, loss mask ``[T]`` uint8, and its capture."""
+    """One sample: ids ``[T]`` int32, loss mask ``[T]`` uint8, and its capture (None in a
+    replies-only folder, ``extract.py features=none``)."""
 
     sample_id: str
     split: str
     input_ids: torch.Tensor
     loss_mask: torch.Tensor
-    capture: Capture
+    capture: Optional[Capture]
 
     def tensors(self, aux_dtype: str = AUX_BF16) -> dict[str, torch.Tensor]:
         """The stored tensors, cast to the stored dtypes and checked for shape: the five of the
         module table, and ``aux_scales`` with ``aux_dtype="float8_e4m3fn"`` (:func:`quantize_aux`).
 
+        Without a capture only ``input_ids`` and ``loss_mask`` are returned.
+
         Raises:
             Eagle3Error: lengths disagree, or the aux states are not ``[T, 3, H]``.
         """
+        if self.capture is None:
+            out = {"input_ids": self.input_ids, "loss_mask": self.loss_mask}
+            out = {k: v.detach().to("cpu", DTYPES[k]).contiguous() for k, v in out.items()}
+            if out["loss_mask"].shape[0] != out["input_ids"].shape[0]:
+                raise Eagle3Error(f"sample {self.sample_id}: loss_mask has {out['loss_mask'].shape[0]} rows for "
+                                  f"{out['input_ids'].shape[0]} tokens")
+            return out
         out = {
             "input_ids": self.input_ids,
             "loss_mask": self.loss_mask,
@@ -161,24 +175,34 @@ def dequantize_aux(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (q.float() * scales[..., None].float()).to(torch.bfloat16)
 
 
-def bytes_per_token(hidden_size: int, top_k: int, aux_dtype: str = AUX_BF16) -> int:
+def bytes_per_token(hidden_size: int, top_k: int, aux_dtype: str = AUX_BF16, features: str = FEATURES_OFFLINE) -> int:
     """Stored bytes per token: aux ``3H`` bf16 (or ``3H`` fp8 + three float32 scales) + top-k
-    ids and log-probs + id + mask."""
+    ids and log-probs + id + mask; a replies-only folder (``features="none"``) stores the id
+    and the mask alone (5 bytes)."""
+    if features == FEATURES_NONE:
+        return 4 + 1
     aux = 3 * hidden_size + 3 * 4 if aux_dtype == AUX_FP8 else 3 * hidden_size * 2
     return aux + top_k * (4 + 4) + 4 + 1
 
 
-def estimate_bytes(num_tokens: int, hidden_size: int, top_k: int, aux_dtype: str = AUX_BF16) -> int:
+def estimate_bytes(num_tokens: int, hidden_size: int, top_k: int, aux_dtype: str = AUX_BF16,
+                   features: str = FEATURES_OFFLINE) -> int:
     """Bytes a capture of ``num_tokens`` tokens will take on disk (within a few %)."""
-    return int(num_tokens) * bytes_per_token(hidden_size, top_k, aux_dtype)
+    return int(num_tokens) * bytes_per_token(hidden_size, top_k, aux_dtype, features)
 
 
 def samples_per_shard(shard_size_mb: float, hidden_size: int, top_k: int, tokens_per_sample: float,
-                      aux_dtype: str = AUX_BF16) -> int:
+                      aux_dtype: str = AUX_BF16, features: str = FEATURES_OFFLINE) -> int:
     """How many samples of ``tokens_per_sample`` tokens fill a shard of ``shard_size_mb`` MB."""
-    per_sample = max(1.0, tokens_per_sample) * bytes_per_token(hidden_size, top_k, aux_dtype)
+    per_sample = max(1.0, tokens_per_sample) * bytes_per_token(hidden_size, top_k, aux_dtype, features)
     return max(1, int(shard_size_mb * 1e6 // per_sample))
 
+
+
+def stored_features(metadata: dict) -> str:
+    """What a manifest's shards hold: ``offline`` (the features) or ``none`` (the kept replies
+    alone, ``extract.py features=none``); absent = ``offline``."""
+    return str(metadata.get("features", FEATURES_OFFLINE))
 
 
 def sample_layout(metadata: dict) -> str:

@@ -16,7 +16,8 @@ from safetensors import safe_open
 from torch.utils.data import Dataset
 
 from eagle3.errors import Eagle3Error
-from eagle3.features.format import COMPATIBILITY_KEYS, FORMAT, MANIFEST, TENSOR_KEYS, VERSION, dequantize_aux
+from eagle3.features.format import (COMPATIBILITY_KEYS, FEATURES_NONE, FORMAT, MANIFEST, REPLY_KEYS, TENSOR_KEYS, VERSION,
+                                    dequantize_aux, stored_features)
 from eagle3.io import sha256_file
 
 
@@ -150,18 +151,29 @@ class FeatureDataset(Dataset):
         splits: which splits to serve (``train``, ``validation``).
         verify: check every shard's sha256 before use (a corrupt shard is an error,
             never read).
+        features: serve the captured features; ``False`` serves ``input_ids`` and
+            ``loss_mask`` alone (the kept replies), from a features folder or a replies-only
+            one (``extract.py features=none``), for online training (:mod:`eagle3.train.online`).
 
     Raises:
         Eagle3Error: missing/empty folder, unfinished extraction, incompatible
-            manifests, a shard missing or failing its checksum.
+            manifests, a shard missing or failing its checksum, a replies-only folder
+            asked for features.
     """
 
-    def __init__(self, features_dirs: str | os.PathLike | Iterable, splits: Sequence[str] = ("train",), verify: bool = True):
+    def __init__(self, features_dirs: str | os.PathLike | Iterable, splits: Sequence[str] = ("train",), verify: bool = True,
+                 features: bool = True):
         dirs = [Path(features_dirs)] if isinstance(features_dirs, (str, os.PathLike)) else [Path(d) for d in features_dirs]
         if not dirs:
             raise Eagle3Error("no features folder given; name one (train.py: features_dir=PATH)")
         self.manifests = [load_manifest(d) for d in dirs]
+        if features:
+            for d, m in zip(dirs, self.manifests):
+                if stored_features(m["metadata"]) == FEATURES_NONE:
+                    raise Eagle3Error(f"{d} holds the kept replies alone (extract.py features=none), no features; "
+                                      "train on it with features=online, or extract it with features=offline")
         check_compatible(self.manifests, [str(d) for d in dirs])
+        self.features = bool(features)
         self.manifest = self.manifests[0]
         self.metadata = self.manifest["metadata"]
         self.splits = tuple(splits)
@@ -217,6 +229,8 @@ class FeatureDataset(Dataset):
             self._handles[f] = h
             self._offsets[f] = h.get_tensor("offsets")
             self._fp8[f] = "aux_scales" in h.keys()
+            if not self.features:
+                return h
             stored = h.get_slice("aux_hidden_states").get_dtype()
             if stored != ("F8_E4M3" if self._fp8[f] else "BF16"):
                 raise Eagle3Error(f"the features shard {f} stores aux_hidden_states as {stored}"
@@ -229,8 +243,8 @@ class FeatureDataset(Dataset):
         h = self._handle(f)
         off = self._offsets[f]
         a, b = int(off[row]), int(off[row + 1])
-        out: dict[str, Any] = {k: h.get_slice(k)[a:b] for k in TENSOR_KEYS}
-        if self._fp8[f]:  # float8_e4m3fn aux states and their scales (eagle3.features.format)
+        out: dict[str, Any] = {k: h.get_slice(k)[a:b] for k in (TENSOR_KEYS if self.features else REPLY_KEYS)}
+        if self.features and self._fp8[f]:  # float8_e4m3fn aux states and their scales (eagle3.features.format)
             out["aux_hidden_states"] = dequantize_aux(out["aux_hidden_states"], h.get_slice("aux_scales")[a:b])
         out["sample_id"] = sid
         out["split"] = split

@@ -21,8 +21,8 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3.errors import Eagle3Error
-from eagle3.features.format import (AUX_BF16, FORMAT, MANIFEST, VERSION, Record, part_manifest_name, sample_layout,
-                                    shard_name)
+from eagle3.features.format import (AUX_BF16, FEATURES_NONE, FORMAT, MANIFEST, VERSION, Record, part_manifest_name,
+                                    sample_layout, shard_name, stored_features)
 from eagle3.features.reader import load_manifest
 from eagle3.io import sha256_file, write_json_atomic
 
@@ -269,6 +269,10 @@ class FeatureWriter:
                 f"shard {index}: records {got[:3]}... do not match the planned samples {expected[:3]}... "
                 "(every planned sample must be recorded in order or listed as dropped)"
             )
+        replies_only = stored_features(self.manifest.get("metadata") or {}) == FEATURES_NONE
+        if any((r.capture is None) != replies_only for r in records):
+            raise Eagle3Error(f"shard {index}: this folder stores {'replies only' if replies_only else 'features'}, "
+                              f"but a record {'holds' if replies_only else 'lacks'} a capture")
         aux_dtype = (self.manifest.get("metadata") or {}).get("capture", {}).get("aux_dtype", AUX_BF16)
         tensors_per = [r.tensors(aux_dtype) for r in records]
         entry: dict[str, Any] = {

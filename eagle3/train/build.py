@@ -31,8 +31,10 @@ from eagle3.train.data import (BatchPlan, length_bucketed_batches, make_loader, 
                                warn_on_degenerate_loss_mask)
 from eagle3.train.drafter import DrafterArch, Eagle3Drafter
 from eagle3.train.fused import compile_drafter_elementwise
+from eagle3.train.online import OnlineFeatures, build_online
 from eagle3.train.record import check_resume_record, run_record, tracker_config
-from eagle3.train.settings import check_device_settings, check_settings, default_max_tokens, drafter_arch, resolve_mixed_precision
+from eagle3.train.settings import (check_device_settings, check_settings, default_max_tokens, drafter_arch, feature_mode,
+                                   resolve_mixed_precision)
 from eagle3.train.ttt import TTTCollator, TTTModel, target_to_draft_index
 from eagle3.train.vocab import auto_draft_vocab_size, build_draft_vocab, count_label_tokens
 
@@ -61,6 +63,7 @@ class Run:
         plan, total_steps: the global batch plan and the optimizer steps of the whole run.
         collator: the TTT ``collate_fn``; ``val_batches`` this process's validation batches.
         pin_memory: pin host batches (CUDA).
+        online: the capture pipeline of ``features=online`` (:mod:`eagle3.train.online`); None offline.
     """
 
     cfg: Any
@@ -87,13 +90,19 @@ class Run:
     collator: TTTCollator
     val_batches: list[list[int]]
     pin_memory: bool
+    online: Optional[OnlineFeatures] = None
 
-    def loader(self, ds: FeatureDataset, batch_lists: list[list[int]]) -> torch.utils.data.DataLoader:
-        """A loader of ``ds`` over ``batch_lists`` with the run's collator and workers."""
+    def loader(self, ds: FeatureDataset, batch_lists: list[list[int]], train: bool = False):
+        """A loader of ``ds`` over ``batch_lists`` with the run's collator: a ``DataLoader`` with
+        ``loop.num_workers`` workers over stored features, or (``features=online``) the capture
+        pipeline of :mod:`eagle3.train.online` (``train``: its waits count as trainer idle time)."""
+        if self.online is not None:
+            return self.online.loader(ds, batch_lists, self.collator, train=train)
         return make_loader(ds, batch_lists, self.collator, self.cfg.loop.num_workers, self.pin_memory)
 
 
-def build_run(cfg: Any, target: Any, embed: torch.Tensor, lm_head: Optional[torch.Tensor] = None) -> Run:
+def build_run(cfg: Any, target: Any, embed: torch.Tensor, lm_head: Optional[torch.Tensor] = None,
+              engine: Optional[Any] = None) -> Run:
     """Everything a training run needs, restored from the newest checkpoint when there is one.
 
     Args:
@@ -101,6 +110,7 @@ def build_run(cfg: Any, target: Any, embed: torch.Tensor, lm_head: Optional[torc
         target: a ``TargetInfo`` (name, hidden_size, vocab_size, aux_layer_ids,
             content_hash, architecture, quantization, heads, FFN, rope, eps).
         embed: the target's ``[V, H]`` embedding table; lm_head ``[V, H]`` (``drafter.lm_head_init=target``).
+        engine: ``features=online``: the capture engine instead of one built from ``cfg.engine`` (tests).
 
     Raises:
         Eagle3Error: impossible settings (for the device too), missing/empty/incompatible features, a
@@ -112,7 +122,8 @@ def build_run(cfg: Any, target: Any, embed: torch.Tensor, lm_head: Optional[torc
     started = time.perf_counter()
     dirs, output_dir = features_dirs(cfg), stage_output_dir(cfg)
     check_settings(cfg)
-    train_ds, val_ds, aux_ids = open_datasets(dirs, target)
+    online_mode = feature_mode(cfg) == "online"
+    train_ds, val_ds, aux_ids = open_datasets(dirs, target, online=online_mode)
     device = resolve_device(cfg.device, setting="device")
     check_device_settings(cfg, device)
     mp = resolve_mixed_precision(cfg.loop.mixed_precision, device)
@@ -128,13 +139,12 @@ def build_run(cfg: Any, target: Any, embed: torch.Tensor, lm_head: Optional[torc
     # the plan before anything is written: a plan without one whole optimizer step is refused first
     plan = BatchPlan(train_ds.lengths, max_tokens, cfg.seed, cfg.loop.grad_accum, accelerator.num_processes,
                      samples=train_subset(len(train_ds), cfg.loop.train_fraction, cfg.seed))
-    if plan.samples is not None:
-        log.info("training on %d of %d training samples (loop.train_fraction=%s)", plan.num_samples,
-                 len(train_ds), cfg.loop.train_fraction)
+    _log_subset(plan, len(train_ds), cfg.loop.train_fraction)
     total_steps = _total_steps(plan, cfg.loop, len(train_ds))
     record = run_record(cfg, dirs, micro_batches_per_step)
     if accelerator.is_main_process:
         check_resume_record(output_dir, record)
+    online = build_online(cfg, target, train_ds, output_dir, accelerator, max_tokens, engine) if online_mode else None
     set_seed(cfg.seed)
 
     d2t, t2d, counts = _draft_vocab(accelerator, output_dir / DRAFT_VOCAB, dirs, train_ds, target, cfg.drafter,
@@ -144,16 +154,12 @@ def build_run(cfg: Any, target: Any, embed: torch.Tensor, lm_head: Optional[torc
     arch = drafter_arch(target, cfg.drafter, draft_vocab_size=d2t.numel())
     model = _ttt_model(arch, d2t, t2d, embed, lm_head, cfg.drafter)
     if cfg.loop.compile_drafter:
-        log.info("loop.compile_drafter: compiled %d norm and MLP modules of the drafter",
-                 compile_drafter_elementwise(model.drafter))
+        log.info("loop.compile_drafter: compiled %d norm and MLP modules", compile_drafter_elementwise(model.drafter))
     model.fused_loss = bool(cfg.loop.fused_loss)
     params = [p for p in model.parameters() if p.requires_grad]
     ocfg = cfg.optim
-    optimizer = torch.optim.AdamW(
-        params, lr=ocfg.lr, betas=tuple(ocfg.betas), weight_decay=ocfg.weight_decay,
-        fused=device.type == "cuda",
-    )
-
+    optimizer = torch.optim.AdamW(params, lr=ocfg.lr, betas=tuple(ocfg.betas), weight_decay=ocfg.weight_decay,
+                                  fused=device.type == "cuda")
     scheduler = _scheduler(ocfg, optimizer, total_steps)
     state = TrainState()
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -171,8 +177,15 @@ def build_run(cfg: Any, target: Any, embed: torch.Tensor, lm_head: Optional[torc
         mixed_precision=mp, max_tokens=max_tokens, train_ds=train_ds, val_ds=val_ds, aux_ids=aux_ids,
         record=record, coverage=coverage, arch=arch, model=model, params=params, optimizer=optimizer,
         scheduler=scheduler, state=state, plan=plan, total_steps=total_steps, collator=collator,
-        val_batches=val_batches, pin_memory=device.type == "cuda",
+        val_batches=val_batches, pin_memory=device.type == "cuda", online=online,
     )
+
+
+def _log_subset(plan: BatchPlan, split_samples: int, fraction: float) -> None:
+    """Say how many training samples a ``loop.train_fraction`` run trains on."""
+    if plan.samples is not None:
+        log.info("training on %d of %d training samples (loop.train_fraction=%s)", plan.num_samples, split_samples,
+                 fraction)
 
 
 def _accelerator(cfg: Any, device: torch.device, mixed_precision: str, output_dir: Path):

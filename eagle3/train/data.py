@@ -95,8 +95,13 @@ def check_sample_layouts(manifests: list[dict], dirs: list[Path]) -> list[str]:
     return layouts
 
 
-def open_datasets(dirs: list[Path], target: Any) -> tuple[FeatureDataset, FeatureDataset, list[int]]:
+def open_datasets(dirs: list[Path], target: Any, online: bool = False) -> tuple[FeatureDataset, FeatureDataset, list[int]]:
     """The training split (shards checksum-verified), the validation split, and the aux layer ids.
+
+    ``online`` (``features=online``): the splits serve the kept replies alone (``input_ids``,
+    ``loss_mask``) of features or replies-only folders; the features are captured while
+    training, with the configured target's aux layer ids (the folder's need not match: the
+    same replies serve an aux-layer ablation), after the same target check.
 
     Raises:
         Eagle3Error: a missing, empty, unfinished or incompatible features folder
@@ -105,11 +110,14 @@ def open_datasets(dirs: list[Path], target: Any) -> tuple[FeatureDataset, Featur
             another target (:func:`check_features_match_target`), or aux states whose width
             is not the target's hidden size.
     """
-    train_ds = FeatureDataset(dirs, splits=("train",))
+    train_ds = FeatureDataset(dirs, splits=("train",), features=not online)
     check_sample_layouts(train_ds.manifests, dirs)
     if len(train_ds) == 0:
         raise Eagle3Error(f"features in {', '.join(map(str, dirs))} hold no training samples; extract more data")
-    val_ds = FeatureDataset(dirs, splits=("validation",), verify=False)
+    val_ds = FeatureDataset(dirs, splits=("validation",), verify=False, features=not online)
+    if online:
+        meta = {**train_ds.metadata, "aux_layer_ids": list(target.aux_layer_ids)}
+        return train_ds, val_ds, check_features_match_target(meta, target, dirs)
     aux_ids = check_features_match_target(train_ds.metadata, target, dirs)
     h_feat = train_ds[0]["aux_hidden_states"].shape[-1]
     if h_feat != target.hidden_size:

@@ -135,8 +135,35 @@ def _metrics(run: Run, progress: Progress, last_val: Optional[dict]) -> dict:
         "compiled_modules": sum(getattr(m, "_compiled_call_impl", None) is not None
                                 for m in acc.unwrap_model(run.model).drafter.modules()),
         "fused_loss": bool(acc.unwrap_model(run.model).fused_loss),  # loop.fused_loss as the run used it
+        "features": _features_block(run, progress),
         **_peak_memory(),
     }
+
+
+def _features_block(run: Run, progress: Progress) -> dict:
+    """``metrics.json``'s ``features``: the mode, the folders' bytes a token on disk, and for
+    ``features=online`` this launch's capture statistics (:class:`eagle3.train.online.OnlineStats`:
+    the trainer's idle fraction, capture and trainer tokens/s) and the capture engine. A trainer
+    idle more than 10% of its time is warned about with both rates."""
+    nbytes = sum(sh["bytes"] for m in run.train_ds.manifests for sh in m["shards"])
+    ntok = sum(sh["tokens"] for m in run.train_ds.manifests for sh in m["shards"])
+    out: dict = {"mode": "online" if run.online is not None else "offline",
+                 "disk_bytes_per_token": nbytes / ntok if ntok else None}
+    if run.online is None:
+        return out
+    from eagle3.train.online import SLOW_PRODUCER_IDLE
+
+    rep = run.online.stats.report(progress.train_time, progress.session_tokens)
+    engine = run.online.engine
+    out.update(rep, engine=engine.info() if engine is not None else None,
+               cache_gb=float(run.cfg.features.cache_gb),
+               cache_bytes=run.online.cache.bytes if run.online.cache is not None else 0)
+    if rep["idle_fraction"] is not None and rep["idle_fraction"] > SLOW_PRODUCER_IDLE:
+        log.warning("features=online: the trainer waited %.0f%% of its time for the capture engine (capture %.0f "
+                    "tokens/s, trainer %.0f tokens/s when fed); give the engine more of the device (engine.*batch* "
+                    "settings), more capture servers, or train with features.cache_gb for later epochs",
+                    100 * rep["idle_fraction"], rep["capture_tokens_per_s"] or 0, rep["trainer_tokens_per_s"] or 0)
+    return out
 
 
 def _export_meta(run: Run) -> dict:

@@ -3,8 +3,8 @@
 Accelerate owns gradient accumulation (``accelerator.accumulate``), the backward pass,
 gradient clipping and TensorBoard (``accelerator.log``). Each epoch, process ``rank``
 trains on micro-batches ``rank, rank + world, ...`` of the epoch's global list
-(:class:`eagle3.train.data.BatchPlan`); a resumed epoch skips the micro-batches already
-trained on (``accelerator.skip_first_batches``), so an interrupted run trains on the same
+(:class:`eagle3.train.data.BatchPlan`); a resumed epoch leaves out the micro-batches already
+trained on, so an interrupted run trains on the same
 samples in the same order as an uninterrupted one. The counters of
 :class:`~eagle3.train.checkpoint.TrainState` are kept in global units, identical on every
 process.
@@ -86,6 +86,7 @@ class IntervalLog:
         self.stats = torch.zeros(run.cfg.drafter.ttt_steps, 3, device=run.accelerator.device)
         self.run_stats = torch.zeros(run.cfg.drafter.ttt_steps, 3, dtype=torch.float64, device=run.accelerator.device)
         self.tokens, self.since = 0, time.perf_counter()
+        self.waited = run.online.stats.wait_s if run.online is not None else 0.0
 
     def write(self, step: int) -> dict:
         """Log ``train/*`` at optimizer step ``step``, start a new interval; returns the interval's metrics."""
@@ -96,6 +97,11 @@ class IntervalLog:
         tps = self.tokens / max(now - self.since, 1e-9)
         logs = {"train/loss": last_train["loss"], "train/lr": self.run.scheduler.get_last_lr()[0],
                 "train/tokens_per_s": tps}
+        if self.run.online is not None:  # features=online: how long the trainer waited for the capture engine
+            st = self.run.online.stats
+            logs["features/idle_fraction"] = (st.wait_s - self.waited) / max(now - self.since, 1e-9)
+            logs["features/capture_tokens_per_s"] = st.captured_tokens / st.capture_s if st.capture_s else 0.0
+            self.waited = st.wait_s
         for j in range(J):
             logs[f"train/acc_{j}"] = last_train["step_acc"][j]
             logs[f"train/loss_{j}"] = last_train["step_loss"][j]
@@ -222,18 +228,18 @@ def _time_is_up(run: Run) -> bool:
     return up
 
 
-def _epoch_loader(run: Run, epoch_batches: list[list[int]]) -> torch.utils.data.DataLoader:
+def _epoch_loader(run: Run, epoch_batches: list[list[int]]):
     """This process's micro-batches of the epoch, from where ``run.state`` stands.
 
     ``batch_in_epoch`` is a multiple of the process count (checked on resume), so the
     global micro-batches already trained on are the first ``batch_in_epoch // world`` of
-    every process's share.
+    every process's share: they are left out of the loader (so ``features=online`` captures
+    none of them again).
     """
     acc = run.accelerator
     world, rank = acc.num_processes, acc.process_index
-    loader = run.loader(run.train_ds, epoch_batches[rank::world])
     done = run.state.batch_in_epoch // world
-    return acc.skip_first_batches(loader, done) if done else loader
+    return run.loader(run.train_ds, epoch_batches[rank::world][done:], train=True)
 
 
 def _train_micro_batch(run: Run, batch: dict, interval: IntervalLog) -> None:

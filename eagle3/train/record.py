@@ -25,12 +25,17 @@ RESUMABLE_KEYS = ("loop.grad_accum", "loop.log_every", "loop.save_every", "loop.
                   "loop.time_limit_min", "loop.compile_drafter", "loop.fused_loss",
                   "loop.pad_multiple",  # padding is masked out of the loss (tests/test_train.py)
                   "drafter.ttt_attention", "drafter.ttt_chain_chunk",  # forms of one attention (tests/test_ttt.py)
-                  "export", "device", "cache_dir", "output_dir")
+                  "export", "device", "cache_dir", "output_dir",
+                  # features=online: how far ahead it captures, where the cache lives, how a server is reached
+                  "features.queue_depth", "features.cache_dir", "features.retry_timeout_s",
+                  "engine.url", "engine.urls", "engine.host", "engine.port", "engine.python", "engine.launch_timeout_s",
+                  "engine.request_timeout_s", "engine.connect_timeout_s", "engine.max_retries", "engine.backoff_s")
 
 
 # Settings added after records were first written, with the value that reproduces what runs did
 # before them: a record without one is read as holding that value (so an unchanged command resumes).
-ADDED_SETTINGS = {"drafter.feature_noise": 0.0, "loop.train_fraction": 1.0, "drafter.target_temperature": 1.0}
+ADDED_SETTINGS = {"drafter.feature_noise": 0.0, "loop.train_fraction": 1.0, "drafter.target_temperature": 1.0,
+                  "feature_settings.mode": "offline", "feature_settings.cache_gb": 0.0}
 
 
 def flatten(d: Any, prefix: str = "") -> dict:
@@ -77,6 +82,9 @@ def run_record(cfg: Any, dirs: list[Path], micro_batches_per_step: int) -> dict:
         OSError: a features folder without a readable ``manifest.json``.
     """
     c = _without_resumable(config_dict(cfg))
+    if (c.get("features") or {}).get("mode", "offline") == "offline":
+        c.pop("engine", None)  # the capture engine is used by features=online only
+    c["feature_settings"] = c.pop("features", {})
     c["features"] = [
         {"dir": str(d), "manifest_sha256": sha256_file(d / "manifest.json")} for d in dirs
     ]

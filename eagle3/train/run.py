@@ -71,6 +71,7 @@ def train_drafter(
     lm_head: Optional[torch.Tensor] = None,
     stop_after: Optional[int] = None,
     on_batch: Optional[Callable[[int, list], None]] = None,
+    engine: Optional[Any] = None,
 ) -> dict:
     """Train (or resume training) a drafter for ``target`` on ``cfg``'s features.
 
@@ -83,6 +84,8 @@ def train_drafter(
         stop_after: stop (with a checkpoint) after this many optimizer steps, as an
             interrupted run would (tests).
         on_batch: called with ``(optimizer step, sample ids)`` for every micro-batch.
+        engine: ``features=online``: the capture engine to use instead of one built from
+            ``cfg.engine`` (closed at the end like a built one).
 
     Returns:
         The metrics dict (also in ``metrics.json``); ``{"interrupted": True, ...}``
@@ -92,9 +95,13 @@ def train_drafter(
         Eagle3Error: see :func:`eagle3.train.build.build_run` and
             :func:`eagle3.train.loop.train_loop`.
     """
-    run = build_run(cfg, target, embed, lm_head)
-    progress = train_loop(run, stop_after=stop_after, on_batch=on_batch)
-    result = stop(run) if progress.interrupted else finish(run, progress)
+    run = build_run(cfg, target, embed, lm_head, engine=engine)
+    try:
+        progress = train_loop(run, stop_after=stop_after, on_batch=on_batch)
+        result = stop(run) if progress.interrupted else finish(run, progress)
+    finally:
+        if run.online is not None:
+            run.online.close()
     # Several processes: free the DDP model while `group` still holds its process group, so that the group's
     # last reference goes through its Python binding, which releases the GIL before ~ProcessGroupGloo joins
     # gloo's worker threads. Dropped last by DDP's C++ Reducer (when `run` goes), the join ran with the GIL

@@ -64,6 +64,18 @@ def _bad_setting(cfg: Any) -> Optional[str]:
         ("drafter.lm_head_init", d.lm_head_init, d.lm_head_init in ("random", "target"), "must be random or target"),
         ("drafter.num_layers", d.num_layers, d.num_layers >= 1, "must be >= 1"),
     ]
+    f = getattr(cfg, "features", None)
+    if f is not None:
+        checks += [
+            ("features", f.mode, f.mode in ("offline", "online"),
+             "is not a training mode: train.py reads features=offline (the features store) or captures them "
+             "while training with features=online (extract.py features=none writes what that reads)"),
+            ("features.queue_depth", f.queue_depth, f.queue_depth >= 1, "must be >= 1 (micro-batches captured ahead)"),
+            ("features.cache_gb", f.cache_gb, f.cache_gb >= 0, "must be >= 0 (GB; 0 = no cache)"),
+            ("features.cache_gb", f.cache_gb, f.cache_gb == 0 or f.mode == "online",
+             "keeps online features for later epochs; it needs features=online"),
+            ("features.retry_timeout_s", f.retry_timeout_s, f.retry_timeout_s >= 0, "must be >= 0 (seconds)"),
+        ]
     for name, value, ok, rule in checks:
         if not ok:
             return f"{name}={value} {rule}"
@@ -81,6 +93,12 @@ def check_settings(cfg: Any) -> None:
     problem = _bad_setting(cfg)
     if problem:
         raise Eagle3Error(f"{problem}; fix that setting")
+
+
+def feature_mode(cfg: Any) -> str:
+    """``features.mode`` of a train config: ``offline`` (the features store) or ``online``
+    (captured while training, :mod:`eagle3.train.online`)."""
+    return str(getattr(getattr(cfg, "features", None), "mode", "offline"))
 
 
 def check_device_settings(cfg: Any, device: torch.device) -> None:
