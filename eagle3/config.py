@@ -289,7 +289,7 @@ class TrainConfig:
     )
     model: ModelConfig = MISSING
     data: DataConfig = MISSING
-    engine: Any = field(default_factory=HFEngineConfig)  # features=online: the capture engine
+    engine: Any = MISSING  # features=online: the capture engine (hf, sglang, vllm)
     features: FeaturesConfig = field(default_factory=FeaturesConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

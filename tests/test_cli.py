@@ -13,8 +13,9 @@ CONF = ROOT / "conf"
 
 
 def test_each_entry_point_checks_the_groups_of_its_own_config():
-    assert sorted(config_groups(CONF, "extract")) == ["data", "engine", "experiment", "model"]
-    assert sorted(config_groups(CONF, "train")) == ["data", "drafter", "experiment", "model", "optim"]
+    assert sorted(config_groups(CONF, "extract")) == ["data", "engine", "experiment", "features", "model"]
+    assert sorted(config_groups(CONF, "train")) == ["data", "drafter", "engine", "experiment", "features", "model",
+                                                    "optim"]
     assert sorted(config_groups(CONF, "evaluate")) == ["engine", "model"]
 
 
@@ -24,7 +25,11 @@ def test_unknown_choices_are_named_and_known_ones_pass():
     assert unknown_group_choice(["+drafter=nope"], CONF, groups) == (
         "drafter 'nope' is unknown; available drafter configs: eagle3, ttt3")
     assert "model 'x'" in unknown_group_choice(["--multirun", "model=smollm2-135m-bf16,x"], CONF, groups)
-    assert unknown_group_choice(["engine=nope"], CONF, groups) is None  # not a group of train.yaml: Hydra's to report
+    assert unknown_group_choice(["engine=nope"], CONF, groups) == (  # the capture engine of features=online
+        "engine 'nope' is unknown; available engine configs: hf, sglang, vllm")
+    assert unknown_group_choice(["features=nope"], CONF, groups) == (
+        "features 'nope' is unknown; available features configs: none, offline, online")
+    assert unknown_group_choice(["hydra/launcher=nope"], CONF, groups) is None  # not a group of train.yaml: Hydra's
 
 
 @pytest.mark.parametrize(
@@ -62,10 +67,10 @@ def test_a_key_the_schema_lacks_is_refused_with_the_nearest_setting():
     assert [k for k, _ in unknown_keys(cfg)] == ["loop.max_step", "nosuchkey"]
     with pytest.raises(Eagle3Error, match=r"^'loop.max_step' is not a setting of this stage .*did you mean loop.max_steps\?$"):
         to_typed(cfg)
-    with pytest.raises(Eagle3Error, match="'nosuchkey' is not a setting .*the settings there are model, data, drafter"):
+    with pytest.raises(Eagle3Error, match="'nosuchkey' is not a setting .*the settings there are model, data, engine, features, drafter"):
         to_typed(_compose("train", ["+nosuchkey=1"]))
-    with pytest.raises(Eagle3Error, match="'engine' is not a setting"):  # train.py has no engine
-        to_typed(_compose("train", ["+engine.extra_args=[--x]"]))
+    with pytest.raises(Eagle3Error, match="'engine.extra_args' is not a setting .*the settings there are name, device"):
+        to_typed(_compose("train", ["+engine.extra_args=[--x]"]))  # engine=hf (features=online's) has no extra_args
     # '+' on a list the schema has is a value, not a key; free-form dicts are not checked
     typed = to_typed(_compose("evaluate", ["engine=sglang", "+engine.extra_args=[--x]"]))
     assert typed.engine.extra_args == ["--x"] and unknown_keys(_compose("evaluate", [])) == []
@@ -107,10 +112,8 @@ def test_a_plain_override_of_a_key_the_schema_lacks_is_named_before_hydra_runs(s
     assert unknown_override_key(["+loop.max_step=5", "~x", "hydra/job_logging=disabled", "hydra.verbose=true",
                                  "-m", "--cfg"], schema, groups) is None
     engine = unknown_override_key(["engine.max_batch_token=1"], schema, groups)  # along the schema of the engine chosen
-    assert engine.startswith("'engine.max_batch_token' is not a setting of this stage; the settings there are model,"
-                             ) if stage == "train" else engine == (
-        "'engine.max_batch_token' is not a setting of engine=hf; did you mean engine.max_batch_tokens?")
-    if stage != "train":
+    assert engine == "'engine.max_batch_token' is not a setting of engine=hf; did you mean engine.max_batch_tokens?"
+    if True:  # every stage now chooses an engine (train.py: the capture engine of features=online)
         for name in ("hf", "sglang", "vllm"):  # every key of each engine's composed config passes with that engine
             keys = [k for k in _leaf_keys(_compose(stage, [f"engine={name}"])) if k.startswith("engine.")]
             assert len(keys) > 5

@@ -9,7 +9,7 @@ import types
 import torch
 from omegaconf import OmegaConf
 
-from eagle3.config import DataConfig, ModelConfig, TrainConfig
+from eagle3.config import DataConfig, HFEngineConfig, ModelConfig, TrainConfig
 from eagle3.features import Capture, FeatureWriter, Record
 
 H, V, K = 16, 64, 4
@@ -91,6 +91,7 @@ def make_cfg(features, out, **over):
     cfg = OmegaConf.structured(TrainConfig)
     cfg.model = OmegaConf.structured(ModelConfig(name="tiny", source="x"))
     cfg.data = OmegaConf.structured(DataConfig(name="toy", source="x"))
+    cfg.engine = OmegaConf.structured(HFEngineConfig())
     cfg.features_dir = str(features)
     cfg.output_dir = str(out)
     cfg.device = "cpu"
