@@ -158,6 +158,22 @@ def test_loss_is_weighted_mean_kl_and_batching_pads_right():
         torch.testing.assert_close(out.logits[j][-n:], alone.logits[j], atol=1e-5, rtol=1e-5)
 
 
+def test_a_micro_batch_without_a_loss_row_backpropagates_zero_gradients():
+    """Every argmax outside the draft vocabulary: no row carries loss, the loss is exactly 0 and
+    its backward runs (it raised 'does not require grad' before) and leaves zero gradients."""
+    torch.manual_seed(3)
+    m = Eagle3Drafter(ARCH)
+    s = twelve_token_sample()
+    s["topk_ids"] = torch.full_like(s["topk_ids"], 150)  # target ids >= 50: outside the draft vocabulary
+    b = TTTCollator(T2D_INDEX, ttt_steps=3, max_length=64)([s])
+    assert [r.numel() for r in b["rows_full"]] == [0, 0, 0]
+    out = ttt_forward(m, b, 3)
+    assert out.loss.item() == 0.0 and out.loss.requires_grad
+    out.loss.backward()
+    assert m.fc.weight.grad is not None and m.fc.weight.grad.abs().sum() == 0
+    assert out.step_stats[:, 1].tolist() == [0.0, 0.0, 0.0]
+
+
 def test_target_distribution_restricted_and_renormalised():
     t2d_index = torch.full((10,), -1, dtype=torch.int64)
     t2d_index[[5, 9]] = torch.tensor([0, 1])

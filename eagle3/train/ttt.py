@@ -316,8 +316,9 @@ def ttt_forward(
         n = rows.numel()
         kl, top, logits = _step_loss(drafter, hidden.reshape(-1, hidden.shape[-1])[rows], batch["target_ids"][j],
                                      batch["target_q"][j], fused_loss and not return_logits)
-        if n:
-            loss = loss + (step_weight**j) * kl.sum() / n
+        # no row with loss (every argmax outside the draft vocabulary): adds 0 yet keeps the loss on
+        # the graph, so the backward of such a micro-batch is a no-op rather than an error
+        loss = loss + (step_weight**j) * kl.sum() / max(n, 1)
         with torch.no_grad():
             correct = top == batch["target_ids"][j][:, 0]
             stats[j, 0] = kl.detach().sum()
