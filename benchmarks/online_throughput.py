@@ -136,6 +136,54 @@ def one_run(mode: str, store: Path, work: Path, tag: str, info, embed, engine, a
             "trainer_tokens_per_s": rep.get("trainer_tokens_per_s")}
 
 
+def breakdown(engine, store: Path, a, max_tokens: int = 16384, n: int = 30) -> dict:
+    """Where an online micro-batch's time goes, with no trainer on the device: ``n`` micro-batches
+    of at most ``max_tokens`` tokens (samples in a seeded random order, packed greedily: the
+    shapes of training's plan, not its exact batches) timed as ``engine.capture`` alone, as
+    :meth:`~eagle3.train.online.OnlineFeatures.features_of`, and with the TTT collation
+    (``ttt_steps`` 3, pad 128) and host pinning the producer thread adds. Tokens/s of each."""
+    from eagle3.features import FeatureDataset
+    from eagle3.train.online import OnlineFeatures
+    from eagle3.train.ttt import TTTCollator, target_to_draft_index
+
+    ds = FeatureDataset(store, splits=("train",), features=False)
+    items = [ds[i] for i in range(len(ds))]
+    order = torch.randperm(len(items), generator=torch.Generator().manual_seed(0)).tolist()
+    batches, cur, size = [], [], 0
+    for i in order:
+        L = len(items[i]["input_ids"])
+        if cur and size + L > max_tokens:
+            batches.append(cur)
+            cur, size = [], 0
+        cur, size = cur + [i], size + L
+    batches = batches[:n]
+    tokens = sum(len(items[i]["input_ids"]) for b in batches for i in b)
+    V = engine.target.vocab_size
+    collate = TTTCollator(target_to_draft_index(torch.zeros(min(32000, V), dtype=torch.int64), V), 3, max_tokens, 128)
+    online = OnlineFeatures(engine, TOP_K, max_tokens)
+    sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
+
+    def timed(fn) -> float:
+        fn(batches[0])  # warm-up
+        sync()
+        t0 = time.perf_counter()
+        for b in batches:
+            fn(b)
+        sync()
+        return tokens / (time.perf_counter() - t0)
+
+    out = {"batches": len(batches), "tokens": tokens,
+           "capture_tokens_per_s": timed(lambda b: engine.capture([items[i]["input_ids"].tolist() for i in b], TOP_K)),
+           "features_of_tokens_per_s": timed(lambda b: online.features_of([items[i] for i in b])),
+           "producer_tokens_per_s": timed(lambda b: {k: v.pin_memory() if a.device == "cuda" and
+                                                     isinstance(v, torch.Tensor) else v
+                                                     for k, v in collate(online.features_of([items[i] for i in b])).items()})}
+    print(f"breakdown, {len(batches)} micro-batches of <= {max_tokens} tokens, no trainer: capture "
+          f"{out['capture_tokens_per_s']:,.0f} tok/s | features_of {out['features_of_tokens_per_s']:,.0f} | "
+          f"+ collate and pin {out['producer_tokens_per_s']:,.0f}")
+    return out
+
+
 class _Borrowed:
     """The benchmark's engine lent to one run: the run closes its engine at the end, the
     benchmark keeps it for the next round (``close`` is a no-op, the rest is the engine's)."""
@@ -173,6 +221,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--tokenizer", default=str(TOKENIZER),
                     help="a tokenizer folder (the engine reads its end-of-turn ids; default: the built embedded target)")
     ap.add_argument("--work", default=None, help="folder for the stores and runs (default: a temporary one)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="first time the producer's parts alone (capture, features_of, collate and pin)")
     ap.add_argument("--json", default=None, help="write the printed figures to this file")
     a = ap.parse_args(argv)
     if a.device == "auto":
@@ -199,6 +249,7 @@ def main(argv=None) -> dict:
     print(f"{a.samples} replies, {tokens:,} tokens; target {info.num_layers} layers on {a.device}")
     print(f"offline store: {stored['bytes'] / tokens:,.1f} B/token on disk, captured and written at "
           f"{tokens / stored['seconds']:,.0f} tokens/s; kept replies alone: {kept['bytes'] / tokens:,.1f} B/token")
+    split = breakdown(engine, work / "replies", a, a.max_tokens or 16384) if a.breakdown else None
     rounds = []
     modes = ("offline", "online", "online_cache") if a.cache_gb > 0 else ("offline", "online")
     for r in range(a.rounds):
@@ -214,7 +265,8 @@ def main(argv=None) -> dict:
     result = {"device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "samples": a.samples,
               "tokens": tokens, "steps": a.steps, "experiment": a.experiment, "overrides": a.override,
               "offline_bytes_per_token": stored["bytes"] / tokens, "replies_bytes_per_token": kept["bytes"] / tokens,
-              "offline_capture_tokens_per_s": tokens / stored["seconds"], "rounds": rounds, "ratios": ratios}
+              "offline_capture_tokens_per_s": tokens / stored["seconds"], "rounds": rounds, "ratios": ratios,
+              "breakdown": split}
     for m, rs in ratios.items():
         if rs:
             print(f"{m}/offline trainer tokens/s: median {statistics.median(rs):.3f} "

@@ -33,6 +33,7 @@ import queue
 import threading
 import time
 import dataclasses
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -44,6 +45,10 @@ from eagle3.train.feature_cache import FeatureCache
 
 log = logging.getLogger("eagle3")
 
+# micro-batches collated (TTTCollator, pinning) at once while the next is captured: on one H100 the collation
+# of a 16K-token micro-batch took about as long as the drafter's step, and done in line it held the
+# in-process capture to 0.35x offline training (docs/performance.md, online training)
+COLLATE_THREADS = 2
 SLOW_PRODUCER_IDLE = 0.10  # the trainer idle more than this fraction: the capture engine is reported as too slow
 
 
@@ -210,20 +215,30 @@ class Prefetch:
     def __len__(self) -> int:
         return len(self.batch_lists)
 
+    def _collate(self, samples: list[dict]) -> dict:
+        batch = self.collate_fn(samples)
+        if self.online.pin_memory:
+            batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        return batch
+
     def _produce(self, q: "queue.Queue", stop: threading.Event) -> None:
+        """Capture the micro-batches in order; each one's collation (and pinning) runs on a pool
+        of :data:`COLLATE_THREADS` while the next is captured. The queue holds their futures, in
+        order, so the consumer gets the batches in the plan's order."""
         stream = torch.cuda.Stream() if self.online._cuda else None
+        pool = ThreadPoolExecutor(max_workers=COLLATE_THREADS, thread_name_prefix="eagle3-collate")
         try:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 for b in self.batch_lists:
                     if stop.is_set():
                         return
-                    batch = self.collate_fn(self.online.features_of([self.ds[i] for i in b]))
-                    if self.online.pin_memory:
-                        batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-                    if not _put(q, batch, stop):
+                    feats = self.online.features_of([self.ds[i] for i in b])
+                    if not _put(q, pool.submit(self._collate, feats), stop):
                         return
         except BaseException as e:  # noqa: BLE001  (raised again in the consumer)
             _put(q, _Failed(e), stop)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=stop.is_set())  # queued collations are still to be taken
 
     def __iter__(self) -> Iterator[dict]:
         q: queue.Queue = queue.Queue(maxsize=self.online.queue_depth)
@@ -241,6 +256,8 @@ class Prefetch:
                     except queue.Empty:
                         if not worker.is_alive() and q.empty():
                             raise Eagle3Error("the capture thread of features=online ended without its micro-batches")
+                if isinstance(item, Future):
+                    item = item.result()  # the collation's error, if any, is raised here
                 waited = time.perf_counter() - t0
                 if self.train:
                     stats.wait_s += waited
@@ -253,7 +270,9 @@ class Prefetch:
             stop.set()
             while worker.is_alive():
                 try:
-                    q.get(timeout=0.1)
+                    left = q.get(timeout=0.1)
+                    if isinstance(left, Future):
+                        left.cancel()
                 except queue.Empty:
                     pass
             worker.join()
