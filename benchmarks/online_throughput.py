@@ -3,7 +3,7 @@ micro-batch's features while the drafter trains (``features=online``, the in-pro
 engine on the same device) against reading them from the feature store (``features=offline``).
 
     python benchmarks/online_throughput.py --device cuda --samples 3000 --steps 200 --rounds 3
-    python benchmarks/online_throughput.py --device cpu --layers 6 --samples 24 --steps 3 --rounds 2 \\
+    python benchmarks/online_throughput.py --device cpu --layers 8 --samples 24 --steps 3 --rounds 2 \\
         --max-tokens 1024 --max-len 256
 
 Target: a Llama of SmolLM2-135M's shape with random weights (``--layers`` of them; speed does

@@ -181,3 +181,16 @@ def test_real_smollm2_int4_build():
     with torch.inference_mode():
         out = m4.generate(ids, max_new_tokens=8, do_sample=False)
     assert "Paris" in tok.decode(out[0, ids.shape[1]:])
+
+
+def test_default_aux_ids_are_three_distinct_increasing_layers_for_every_accepted_depth():
+    from eagle3.target.layers import default_aux_layer_ids, resolve_aux_layer_ids
+
+    for L in range(7, 129):
+        ids = default_aux_layer_ids(L)
+        assert ids == [2, L // 2, L - 3] and 1 <= ids[0] < ids[1] < ids[2] <= L, (L, ids)
+        assert resolve_aux_layer_ids(None, L) == ids  # the default passes the explicit ids' checks
+    assert default_aux_layer_ids(7) == [2, 3, 4]
+    for L in range(0, 7):  # 6 would give [2, 3, 3]
+        with pytest.raises(Eagle3Error, match=f"only {L} decoder layers.*from 7 layers on.*model.aux_layer_ids"):
+            default_aux_layer_ids(L)

@@ -30,11 +30,19 @@ ARCHITECTURES = ("llama", "deepseek_v2")
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """``[2, L//2, L-3]`` for an ``L``-layer target (EAGLE-3 / SGLang default)."""
-    if num_layers < 6:
+    """``[2, L//2, L-3]`` for an ``L``-layer target (EAGLE-3 / SGLang default), ``L >= 7``.
+
+    The three ids are strictly increasing exactly when ``2 < L//2 < L-3``, i.e. ``L >= 7``
+    (``L = 6`` gives ``[2, 3, 3]``: the same layer twice).
+
+    Raises:
+        Eagle3Error: ``num_layers < 7``; set ``model.aux_layer_ids`` explicitly then.
+    """
+    if num_layers < 7:
         raise Eagle3Error(
             f"the target has only {num_layers} decoder layers; the default aux layer ids "
-            "[2, L//2, L-3] need at least 6, so set model.aux_layer_ids explicitly"
+            "[2, L//2, L-3] are three distinct layers only from 7 layers on, so set model.aux_layer_ids "
+            "explicitly (three strictly increasing ids in 1..L)"
         )
     return [2, num_layers // 2, num_layers - 3]
 
@@ -46,9 +54,7 @@ def resolve_aux_layer_ids(ids: list[int] | None, num_layers: int) -> list[int]:
         Eagle3Error: not exactly three ids, not strictly increasing, or outside
             ``1..num_layers`` (``0``, the embeddings, carries no target computation).
     """
-    if ids is None:
-        return default_aux_layer_ids(num_layers)
-    ids = [int(i) for i in ids]
+    ids = default_aux_layer_ids(num_layers) if ids is None else [int(i) for i in ids]
     if len(ids) != 3:
         raise Eagle3Error(f"model.aux_layer_ids must list 3 layers, got {ids}")
     if any(b <= a for a, b in zip(ids, ids[1:])):
