@@ -123,6 +123,7 @@ class DataConfig:
     validation_fraction: float = 0.02
     test_fraction: float = 0.05
     splits: list[str] = field(default_factory=lambda: ["train", "validation"])
+    on_bad_record: str = "error"  # a damaged record of a prompt file: error (refuse, naming it) | skip (count it)
 
 
 @dataclass

@@ -305,3 +305,53 @@ def test_prompt_datasets_are_fingerprinted_from_their_rows_not_by_pickling(tmp_p
     assert len(select_for_extraction(ds, ["train"], 1)) == 1
     b = load_benchmark("humaneval", BenchmarksConfig(limit=2))
     assert len(b) == 2 and b[0]["messages"][0]["role"] == "user"
+
+
+def _damaged_middle(tmp_path):
+    good = [{"id": k, "conversations": [{"from": "human", "value": f"q{k}"}]} for k in "abc"]
+    text = "[" + json.dumps(good[0]) + ',\n{"id": "x", "conversations": [{"from": "human" "value": "no colon"}]},\n' \
+        + ",\n".join(json.dumps(r) for r in good[1:]) + "]"
+    p = tmp_path / "mid.json"
+    p.write_text(text)
+    return p
+
+
+def test_a_damaged_record_in_the_middle_of_a_sharegpt_file_is_refused_or_skipped_and_counted(tmp_path):
+    p = _damaged_middle(tmp_path)
+    with pytest.raises(Eagle3Error, match=r"mid.json: record 2 \(at character \d+\) is not valid JSON .*"
+                                          r"data.on_bad_record=skip"):
+        load_conversations(DataConfig(name="x", source="sharegpt_json", path=str(p)))
+    stats = {}
+    ds = load_conversations(DataConfig(name="x", source="sharegpt_json", path=str(p), on_bad_record="skip"), stats)
+    assert ds["id"] == ["sharegpt-a", "sharegpt-b", "sharegpt-c"]  # read on after the damaged record
+    assert stats["records"] == 3 and stats["skipped_bad_records"] == 1 and "incomplete_records" not in stats
+    with pytest.raises(Eagle3Error, match="data.on_bad_record='maybe' must be 'error'"):
+        load_conversations(DataConfig(name="x", source="sharegpt_json", path=str(p), on_bad_record="maybe"))
+
+
+def test_a_bad_jsonl_line_is_refused_or_skipped_and_the_summary_says_what_was_not_used(tmp_path):
+    from eagle3.extract.summary import data_line
+
+    p = tmp_path / "p.jsonl"
+    p.write_text('{"messages": [{"role": "user", "content": "a"}]}\n{"messages": [\n'
+                 '{"messages": [{"role": "user", "content": "b"}]}\n')
+    with pytest.raises(Eagle3Error, match=r"p.jsonl:2: not valid JSON .*data.on_bad_record=skip"):
+        load_conversations(DataConfig(name="x", source="jsonl", path=str(p)))
+    stats = {}
+    ds = load_conversations(DataConfig(name="x", source="jsonl", path=str(p), on_bad_record="skip"), stats)
+    assert len(ds) == 2 and stats["records"] == 2 and stats["skipped_bad_records"] == 1
+    assert data_line(stats) == "  prompt source: 2 records read, 2 conversations usable; not used: 1 damaged, skipped"
+    # the shipped ShareGPT file's counts, as load_conversations gives them (measured 2026-12-07)
+    shipped = {"records": 17671, "conversations": 11175, "dropped_no_leading_user": 6370, "dropped_empty": 126,
+               "incomplete_records": 1}
+    assert data_line(shipped) == ("  prompt source: 17671 records read, 11175 conversations usable; not used: 6370 no "
+                                  "human turn before the first gpt turn, 126 empty, 1 cut off at the end of the file")
+    assert data_line({"conversations": 164}) is None  # a benchmark source counts no records
+
+
+def test_every_record_of_the_shipped_sharegpt_file_is_used_or_counted_with_its_reason():
+    stats = {}
+    ds = load_conversations(DataConfig(name="sharegpt", source="sharegpt"), stats)
+    dropped = sum(v for k, v in stats.items() if k.startswith("dropped_"))
+    assert stats["records"] == len(ds) + dropped  # decoded records: used or dropped for a stated reason
+    assert stats.get("skipped_bad_records", 0) == 0 and stats["incomplete_records"] == 1  # only its cut-off tail

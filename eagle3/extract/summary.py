@@ -61,6 +61,21 @@ def _summary(cfg, target, manifest: dict, side: dict, prompts: int, data_stats: 
     }
 
 
+_NOT_USED = (("dropped_no_leading_user", "no human turn before the first gpt turn"),
+             ("dropped_empty", "empty"), ("dropped_unknown_role", "a turn of unknown role"),
+             ("incomplete_records", "cut off at the end of the file"), ("skipped_bad_records", "damaged, skipped"))
+
+
+def data_line(d: dict) -> str | None:
+    """One line on what the prompt source gave: records read, conversations used and why the
+    rest were not (``load_conversations``'s counts), or None where the source counts no records."""
+    if not d.get("records") and not d.get("skipped_bad_records"):
+        return None
+    why = [f"{d[k]} {text}" for k, text in _NOT_USED if d.get(k)]
+    return (f"  prompt source: {d.get('records', 0)} records read, {d.get('conversations', 0)} conversations usable"
+            + (f"; not used: {', '.join(why)}" if why else ""))
+
+
 def format_summary(s: dict) -> str:
     """The summary as a few human-readable lines."""
     r = s["this_run"]
@@ -76,4 +91,7 @@ def format_summary(s: dict) -> str:
         f"wall time {r['wall_time_s']:.1f} s (total {r['total_time_s']:.1f} s), {r['tokens_per_s']:.1f} tokens/s"
         + (f", {r['resumed_shards']} shards kept from an earlier run" if r["resumed_shards"] else ""),
     ]
+    extra = data_line(s.get("data_stats") or {})
+    if extra:
+        lines.insert(1, extra)
     return "\n".join(lines)

