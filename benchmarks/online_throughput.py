@@ -26,7 +26,6 @@ and plans) with min-max, and the bytes a token each store holds on disk.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import sys
@@ -111,7 +110,7 @@ def train_config(features_dir: Path, out: Path, mode: str, a):
     from eagle3.cli import to_typed
 
     cache = [f"features.cache_gb={a.cache_gb}"] if mode == "online_cache" else []
-    mode = "online" if mode.startswith("online") else mode
+    mode = "online" if mode == "online_cache" else mode
     over = [f"features_dir={features_dir}", f"output_dir={out}", f"features={mode}", f"device={a.device}", *cache,
             f"loop.max_steps={a.steps}", "loop.tracker=none", "loop.save_every=100000", "export.speculators=false",
             "loop.log_every=1000000", *a.override]
@@ -129,8 +128,7 @@ def one_run(mode: str, store: Path, work: Path, tag: str, info, embed, engine, a
     if a.device == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    with _one_stream(mode == "online_1stream"):
-        m = train_drafter(cfg, info, embed, engine=_Borrowed(engine) if mode != "offline" else None)
+    m = train_drafter(cfg, info, embed, engine=_Borrowed(engine) if mode != "offline" else None)
     wall = time.perf_counter() - t0
     rep = m.get("features") or {}
     return {"mode": mode, "tokens_per_s": m.get("tokens_per_s"), "wall_s": wall, "steps": m.get("step"),
@@ -186,26 +184,6 @@ def breakdown(engine, store: Path, a, max_tokens: int = 16384, n: int = 30) -> d
     return out
 
 
-@contextlib.contextmanager
-def _one_stream(on: bool):
-    """While ``on``: online capture on the trainer's stream (``OnlineFeatures.stream = None``), the
-    A/B of the capture stream of its own."""
-    from eagle3.train import online
-
-    init = online.OnlineFeatures.__init__
-
-    def one_stream_init(self, *args, **kw):
-        init(self, *args, **kw)
-        self.stream = None
-
-    if on:
-        online.OnlineFeatures.__init__ = one_stream_init
-    try:
-        yield
-    finally:
-        online.OnlineFeatures.__init__ = init
-
-
 class _Borrowed:
     """The benchmark's engine lent to one run: the run closes its engine at the end, the
     benchmark keeps it for the next round (``close`` is a no-op, the rest is the engine's)."""
@@ -236,8 +214,6 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=3, help="offline+online pairs; the first is a warm-up")
     ap.add_argument("--cache-gb", type=float, default=0.0,
                     help="> 0: a third run a round, online with features.cache_gb (later epochs read back)")
-    ap.add_argument("--one-stream", action="store_true",
-                    help="a run a round more, online with the capture on the trainer's CUDA stream (online_1stream)")
     ap.add_argument("--experiment", default="h200", help="conf/experiment/<name>.yaml ('' for none)")
     ap.add_argument("--max-tokens", type=int, default=None, help="loop.max_tokens_per_batch (default: the experiment's)")
     ap.add_argument("--capture-batch", type=int, default=None, help="engine.capture_batch_size of the hf engine")
@@ -275,8 +251,7 @@ def main(argv=None) -> dict:
           f"{tokens / stored['seconds']:,.0f} tokens/s; kept replies alone: {kept['bytes'] / tokens:,.1f} B/token")
     split = breakdown(engine, work / "replies", a, a.max_tokens or 16384) if a.breakdown else None
     rounds = []
-    modes = ("offline", "online") + (("online_1stream",) if a.one_stream else ()) + \
-        (("online_cache",) if a.cache_gb > 0 else ())
+    modes = ("offline", "online", "online_cache") if a.cache_gb > 0 else ("offline", "online")
     for r in range(a.rounds):
         runs = {m: one_run(m, work / ("offline" if m == "offline" else "replies"), work, f"r{r}-{m}", info, embed,
                            engine, a) for m in modes}

@@ -226,31 +226,6 @@ def test_a_producer_error_reaches_the_trainer_without_a_hang(tmp_path):
                       engine=Broken())
 
 
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the capture stream)")
-def test_an_in_process_cuda_engine_captures_on_a_stream_of_its_own_a_server_does_not():
-    from eagle3.train.online import OnlineFeatures
-
-    seen = []
-
-    class CudaEngine(ToyEngine):
-        device = torch.device("cuda", torch.cuda.current_device())
-
-        def capture(self, seqs, top_k):
-            seen.append(torch.cuda.current_stream())
-            return super().capture(seqs, top_k)
-
-    trainer_stream = torch.cuda.current_stream()
-    sample = {"input_ids": torch.arange(3, 15), "loss_mask": torch.ones(12, dtype=torch.uint8),
-              "sample_id": "s0"}
-    local = OnlineFeatures(CudaEngine(), K, 64)
-    remote = OnlineFeatures(CudaEngine(), K, 64, remote=True)
-    local.features_of([sample])
-    remote.features_of([sample])
-    assert seen[0] == local.stream and seen[0] != trainer_stream
-    assert remote.stream is None and seen[1] == trainer_stream
-    assert torch.cuda.current_stream() == trainer_stream  # the trainer's thread keeps its stream
-
 # ---------------------------------------------------------------- the real (tiny) target, engine=hf
 def _extract(tiny_target_dir, tmp_path, out, mode="offline"):
     from eagle3.config import FeaturesConfig, HFEngineConfig

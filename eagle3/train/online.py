@@ -121,10 +121,6 @@ class OnlineFeatures:
         self._lock = threading.Lock()  # one capture at a time (training and validation producers share the engine)
         device = getattr(engine, "device", None)
         self._cuda = isinstance(device, torch.device) and device.type == "cuda"
-        # an in-process CUDA engine captures on a stream of its own: on the default stream its forward
-        # would queue behind the drafter's step (one stream serialises), on its own the two overlap
-        # where neither fills the device (a 135M target and its drafter use a fraction of an H100)
-        self.stream = torch.cuda.Stream(device) if self._cuda and not self.remote else None
 
     # ------------------------------------------------------------------ capture
     def features_of(self, samples: Sequence[dict]) -> list[dict]:
@@ -174,10 +170,7 @@ class OnlineFeatures:
         """``engine.capture(seqs, top_k)``; for a server, retried (backing off up to 30 s) until it
         answers or ``retry_timeout_s`` has passed."""
         if not self.remote:
-            if self.stream is None:
-                return self.engine.capture(seqs, self.top_k)
-            with torch.cuda.stream(self.stream):  # host tensors come back (the engine's copies are synchronised)
-                return self.engine.capture(seqs, self.top_k)
+            return self.engine.capture(seqs, self.top_k)
         deadline, wait = time.monotonic() + self.retry_timeout_s, 1.0
         while True:
             try:
