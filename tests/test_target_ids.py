@@ -182,7 +182,9 @@ def test_a_tie_in_the_logits_captures_the_lowest_id_first_as_the_verifier_takes_
     assert torch.equal(cap.topk_ids[:, 0].long(), logits.argmax(-1))
     assert torch.equal(cap.topk_ids.long(), tied.expand(len(seq), -1))
     lp = torch.log_softmax(logits.float(), -1)
-    assert torch.allclose(cap.topk_logprobs, lp[:, tied], atol=1e-4)
+    # the capture's lm_head and logsumexp run on its own batch of rows, the verifier's on the model's forward: the
+    # bf16 logits can round differently (1.5e-4 apart in log-prob on a 2-core AVX-512 CPU without AMX; below 1e-4 on AMX)
+    assert torch.allclose(cap.topk_logprobs, lp[:, tied], atol=1e-3)
 
 
 # ------------------------------------------------------------------ rank_top_k
