@@ -124,8 +124,10 @@ def _next_record(text: str, start: int, dec: json.JSONDecoder) -> int:
     from a cut-off tail (nothing decodes after it)."""
     j = text.find("{", start + 1)
     while j >= 0:
-        before = text[:j].rstrip()[-1:]
-        if before in (",", "["):
+        b = j - 1
+        while b >= 0 and text[b] in " \t\r\n":
+            b -= 1
+        if b >= 0 and text[b] in ",[":
             try:
                 obj, _ = dec.raw_decode(text, j)
                 if isinstance(obj, dict) and "conversations" in obj:
