@@ -111,7 +111,7 @@ def config_groups(conf_dir: Path, config_name: str) -> list[str]:
     A group is a ``group: choice`` entry of the defaults list (``experiment: null``
     included) whose folder ``<conf_dir>/<group>/`` exists; the schema and ``_self_``
     entries are not groups. For ``train`` these are model, data, drafter, optim and
-    experiment; for ``evaluate`` engine and model.
+    experiment; for ``evaluate`` engine, model and data.
     """
     defaults = OmegaConf.load(Path(conf_dir) / f"{config_name}.yaml").get("defaults") or []
     groups = []

@@ -25,6 +25,8 @@ from omegaconf import MISSING
 
 # The engine schemas (hf, sglang, vllm) live in eagle3/config_engines.py; re-exported here.
 from eagle3.config_engines import FeaturesConfig, HFEngineConfig, SGLangEngineConfig, VLLMEngineConfig  # noqa: F401
+# The evaluate stage's prompts and mode=doctor's settings live in eagle3/config_evaluate.py; re-exported here.
+from eagle3.config_evaluate import BenchmarksConfig, DoctorConfig  # noqa: F401
 
 
 @dataclass
@@ -315,35 +317,6 @@ class SpeculativeConfig:
 
 
 @dataclass
-class BenchmarksConfig:
-    """Evaluation prompts: ``names`` among gsm8k, humaneval, sharegpt (its held-out
-    test split), mtbench (needs ``mtbench_path``)."""
-
-    names: list[str] = field(default_factory=lambda: ["gsm8k", "humaneval", "sharegpt"])
-    limit: Optional[int] = None  # prompts per benchmark
-    mtbench_path: Optional[str] = None
-    seed: int = 0
-
-
-@dataclass
-class DoctorConfig:
-    """``mode=doctor`` (docs/doctor.md): fast checks of the export at ``drafter_dir`` against
-    the target (``model=``) and the engine that will serve it, then a short greedy
-    acceptance probe (``probe_prompts`` built-in prompts, ``probe_max_new_tokens`` tokens
-    each, in process with ``engine=hf``; through ``engine.speculative_url`` as well with
-    ``engine=sglang``; ``probe=false`` skips it). A probe ``tau`` below
-    ``accepts_nothing_below`` fails ("accepts nothing"). ``serving_engine`` names the engine
-    whose aux-id convention the export must match (``sglang`` | ``vllm``); None =
-    ``engine.name``, with ``hf`` reading SGLang's. Exit code 1 when a check fails."""
-
-    probe: bool = True
-    probe_prompts: int = 4
-    probe_max_new_tokens: int = 32
-    accepts_nothing_below: float = 1.05
-    serving_engine: Optional[str] = None  # sglang | vllm; None = engine.name (hf: sglang)
-
-
-@dataclass
 class EvaluateConfig:
     defaults: list[Any] = field(
         default_factory=lambda: [
@@ -390,7 +363,6 @@ def register_configs() -> None:
     cs.store(name="train_schema", node=TrainConfig)
     cs.store(name="evaluate_schema", node=EvaluateConfig)
     cs.store(group="model", name="model_schema", node=ModelConfig)
-    cs.store(group="data", name="data_schema", node=DataConfig)
     cs.store(group="engine", name="hf_schema", node=HFEngineConfig)
     cs.store(group="engine", name="sglang_schema", node=SGLangEngineConfig)
     cs.store(group="engine", name="vllm_schema", node=VLLMEngineConfig)

@@ -16,7 +16,7 @@ def test_each_entry_point_checks_the_groups_of_its_own_config():
     assert sorted(config_groups(CONF, "extract")) == ["data", "engine", "experiment", "features", "model"]
     assert sorted(config_groups(CONF, "train")) == ["data", "drafter", "engine", "experiment", "features", "model",
                                                     "optim"]
-    assert sorted(config_groups(CONF, "evaluate")) == ["engine", "model"]
+    assert sorted(config_groups(CONF, "evaluate")) == ["data", "engine", "model"]  # data=jsonl: a prompt file
 
 
 def test_unknown_choices_are_named_and_known_ones_pass():

@@ -3,7 +3,7 @@
 Each finished benchmark is kept in ``output_dir/partial/<name>.json`` with a key: the
 sha256 of everything that decides its records (speculative settings, target content
 hash, dtype, device, attention, the export's fingerprint, seed, prompt limit and the
-benchmark's prompt ids). The same command run again (e.g. after a time limit stopped
+benchmark's prompt ids and text). The same command run again (e.g. after a time limit stopped
 it) reuses the finished benchmarks whose key is unchanged and evaluates the rest.
 """
 
@@ -50,7 +50,7 @@ def benchmark_keys(cfg, settings: SpecSettings, target_hash: str, dtype: str, de
         dtype: the loaded target's dtype as ``str(model.dtype)`` (``torch.float32``).
         device_type: ``cpu`` or ``cuda``.
         drafter_dir: the export folder (see :func:`export_fingerprint`).
-        benchmarks: ``{name: datasets.Dataset}`` with an ``id`` column.
+        benchmarks: ``{name: datasets.Dataset}`` with ``id`` and ``messages`` columns.
     """
     base_key = {
         "settings": dataclasses.asdict(settings), "target": target_hash, "dtype": dtype,
@@ -58,7 +58,9 @@ def benchmark_keys(cfg, settings: SpecSettings, target_hash: str, dtype: str, de
         "seed": cfg.seed, "max_prompt_tokens": cfg.max_prompt_tokens,
         "teacher_forced": bool(getattr(cfg, "teacher_forced", False)),  # records without the replay are not reused
     }
-    return {n: run_key({**base_key, "benchmark": n, "ids": [str(i) for i in ds["id"]]}) for n, ds in benchmarks.items()}
+    # the prompts' text too: a prompt file edited in place keeps its line-number ids (data=jsonl)
+    return {n: run_key({**base_key, "benchmark": n, "ids": [str(i) for i in ds["id"]],
+                        "messages": run_key({"m": list(ds["messages"])})}) for n, ds in benchmarks.items()}
 
 
 def load_partial(output_dir: Path, name: str, key: str) -> Optional[tuple[list[TurnRecord], list[str]]]:

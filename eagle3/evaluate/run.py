@@ -15,7 +15,9 @@
    (:mod:`eagle3.evaluate.provenance`).
 2. Loads the benchmarks (:func:`eagle3.evaluate.benchmarks.load_benchmarks`): gsm8k,
    humaneval, held-out sharegpt (refused if its ids overlap the training manifest),
-   mtbench when ``data.mtbench_path`` is set; ``data.limit`` prompts each.
+   mtbench when ``data.mtbench_path`` is set; or, with ``data=jsonl data.path=FILE`` (or
+   ``sharegpt_json``, ``mtbench``, ...), that source alone; ``data.limit`` prompts each.
+   Every engine evaluates the same prompts.
 3. ``engine=hf``: for every prompt (every user turn of multi-turn prompts, the history
    carrying the speculative answer), speculative decoding
    (:class:`eagle3.spec.decoder.SpeculativeDecoder`) and the target's own decoding
@@ -43,7 +45,7 @@ from typing import Any, Optional
 import torch
 
 from eagle3.errors import Eagle3Error
-from eagle3.evaluate.benchmarks import benchmark_names, load_benchmarks
+from eagle3.evaluate.benchmarks import benchmark_names, load_benchmarks, prompt_settings
 from eagle3.evaluate.inprocess import evaluate_hf
 from eagle3.evaluate.parallel import run_evaluate_parallel
 from eagle3.evaluate.provenance import (
@@ -107,7 +109,7 @@ def run_evaluate(cfg) -> dict:
     elif engine == "hf":
         results = _evaluate_in_process(cfg, settings, meta, names, manifest, output_dir, warnings)
     else:
-        raise Eagle3Error(f"engine '{engine}' cannot evaluate; use engine=hf or engine=sglang")
+        raise Eagle3Error(f"engine '{engine}' cannot evaluate; use engine=hf, engine=sglang or engine=vllm")
     write_report(output_dir, results)
     return results
 
@@ -129,7 +131,7 @@ def _evaluate_served(cfg, meta: dict, names: list[str], manifest: Optional[dict]
     results = run_sglang_evaluation(cfg, benchmarks, meta, output_dir)
     results["warnings"] = warnings + list(results.get("warnings") or [])
     results.setdefault("settings", {}).update(drafter_dir=str(Path(cfg.drafter_dir)), target=cfg.model.name,
-                                              trained_on_left_out=left_out)
+                                              trained_on_left_out=left_out, **prompt_settings(cfg.data))
     return results
 
 
@@ -208,11 +210,11 @@ def _evaluate_in_process(cfg, settings: SpecSettings, meta: dict, names: list[st
     from eagle3.target import end_of_turn_ids, render_prompt
 
     warnings = list(warnings)
+    left_out: dict = {}
+    benchmarks = load_benchmarks(cfg, names, manifest, left_out)  # a bad prompt file stops here, before the load
     t = _load_in_process(cfg, meta, manifest, warnings)
     for x in warnings:
         log.warning(x)
-    left_out: dict = {}
-    benchmarks = load_benchmarks(cfg, names, manifest, left_out)
     if cfg.worker is not None:  # one worker of run_evaluate_parallel: every workers-th prompt
         benchmarks = {n: ds.select(range(int(cfg.worker), len(ds), int(cfg.workers))) for n, ds in benchmarks.items()}
         benchmarks = {n: ds for n, ds in benchmarks.items() if len(ds)}
@@ -285,5 +287,5 @@ def _in_process_settings(cfg, t: _Loaded, resumed: list[str]) -> dict:
         "aux_layer_ids": list(t.aux), "draft_vocab_size": t.drafter.arch.draft_vocab_size,
         "limit": cfg.data.limit, "warmup_prompts": cfg.warmup_prompts, "seed": cfg.seed,
         "batch_size": 1, "torch_threads": torch.get_num_threads(),
-        "resumed_benchmarks": resumed,
+        "resumed_benchmarks": resumed, **prompt_settings(cfg.data),
     }

@@ -272,6 +272,12 @@ def gc_held() -> Iterator[None]:
 SERVED_TIE_GAP = 0.25
 
 
+def system_messages(sample: dict) -> list[dict]:
+    """The sample's system messages, which lead every turn's prompt (as in process:
+    :func:`eagle3.evaluate.inprocess._user_turns`)."""
+    return [{"role": "system", "content": m["content"]} for m in sample["messages"] if m.get("role") == "system"]
+
+
 def first_difference(a: list[int], b: list[int]) -> Optional[int]:
     """The first position where two id lists differ (the shorter length when one is a
     prefix of the other), or None when they are equal."""

@@ -16,7 +16,7 @@ import time
 from typing import Optional
 
 from eagle3.engines import sglang as sg
-from eagle3.evaluate.served_measures import SERVED_TIE_GAP, Pairs, RequestRecord, gc_held, summarize
+from eagle3.evaluate.served_measures import SERVED_TIE_GAP, Pairs, RequestRecord, gc_held, summarize, system_messages
 from eagle3.evaluate.servers import ROLES
 
 log = logging.getLogger(__name__)
@@ -30,8 +30,8 @@ def _messages(sample: dict) -> list[dict]:
 def run_conversation(client: sg.SGLangClient, tokenizer, sample: dict, benchmark: str, sampling: dict,
                      max_prompt_tokens: Optional[int] = None, cuts: Optional[dict[str, set]] = None
                      ) -> list[RequestRecord]:
-    """Send every user turn of ``sample`` in order (later turns carry the decoded
-    earlier answers); one :class:`RequestRecord` per turn.
+    """Send every user turn of ``sample`` in order (its system messages first; later turns
+    carry the decoded earlier answers); one :class:`RequestRecord` per turn.
 
     A turn whose rendered prompt is longer than ``max_prompt_tokens`` (tokens;
     :func:`eagle3.evaluate.served_measures.prompt_limit`) is not sent and ends the
@@ -44,7 +44,7 @@ def run_conversation(client: sg.SGLangClient, tokenizer, sample: dict, benchmark
     """
     from eagle3.target import render_prompt
 
-    history: list[dict] = []
+    history: list[dict] = system_messages(sample)
     records = []
     turns = [m for m in _messages(sample) if m.get("role") == "user"]
     for i, user in enumerate(turns):
@@ -71,14 +71,14 @@ def run_conversation(client: sg.SGLangClient, tokenizer, sample: dict, benchmark
 
 
 def first_turn_fits(tokenizer, sample: dict, max_prompt_tokens: Optional[int]) -> bool:
-    """Whether the rendered first user turn of ``sample`` is at most ``max_prompt_tokens``
-    tokens (always, when None)."""
+    """Whether the rendered first user turn of ``sample`` (after its system messages) is at
+    most ``max_prompt_tokens`` tokens (always, when None)."""
     from eagle3.target import render_prompt
 
     if max_prompt_tokens is None:
         return True
-    first = [m for m in _messages(sample) if m.get("role") == "user"][:1]
-    return len(render_prompt(tokenizer, [{"role": "user", "content": m["content"]} for m in first])) <= max_prompt_tokens
+    first = [{"role": "user", "content": m["content"]} for m in _messages(sample) if m.get("role") == "user"][:1]
+    return len(render_prompt(tokenizer, system_messages(sample) + first)) <= max_prompt_tokens
 
 
 def _warm_up(client: sg.SGLangClient, tokenizer, benchmarks: dict[str, list[dict]], sampling: dict, warmup: int,
@@ -201,7 +201,7 @@ def diagnose_mismatches(client: sg.SGLangClient, tokenizer, rows: dict[str, list
             m.update(logit_gap=None, tie=False)
             if i >= len(b) or i >= len(s):
                 continue
-            history = []
+            history = system_messages(sample)  # the prompt the turn was sent with (run_conversation)
             for t, user in enumerate([x for x in sample["messages"] if x.get("role") == "user"][:m["turn"] + 1]):
                 history.append({"role": "user", "content": user["content"]})
                 if t < m["turn"]:

@@ -91,7 +91,7 @@ def run_vllm_stage(cfg: Any, settings, warnings: list[str]) -> dict:
         Eagle3Error: as :func:`read_checked_export`, :func:`open_servers`, :func:`check_servers`,
             a bad ``concurrency`` list, benchmark problems, or a request that keeps failing.
     """
-    from eagle3.evaluate.benchmarks import benchmark_names, load_benchmarks
+    from eagle3.evaluate.benchmarks import benchmark_names, load_benchmarks, prompt_settings
     from eagle3.evaluate.report import write_report
     from eagle3.paths import stage_output_dir
 
@@ -116,7 +116,7 @@ def run_vllm_stage(cfg: Any, settings, warnings: list[str]) -> dict:
         log.warning(w)
     results = evaluate_servers(cfg, settings, export, info, tokenizer, benchmarks, concurrency, output_dir)
     results["warnings"] = warnings + results["warnings"]
-    results["settings"]["trained_on_left_out"] = left_out
+    results["settings"].update(trained_on_left_out=left_out, **prompt_settings(cfg.data))
     write_report(output_dir, results)
     return results
 
@@ -144,14 +144,15 @@ def evaluate_servers(cfg: Any, settings, export, info, tokenizer, benchmarks: di
             :func:`~eagle3.evaluate.served_vllm_servers.check_servers`, or a failing request.
     """
     from eagle3.evaluate.served_results import PLOT_NAME, plot_throughput
-    from eagle3.evaluate.served_measures import prompt_limit
+    from eagle3.evaluate.served_measures import prompt_limit, system_messages
     from eagle3.evaluate.served_vllm_measure import (Servers, diagnose_mismatches, measure_pairs, pairs_as_sweep,
                                                         sweep_concurrency, warm_up)
     from eagle3.evaluate.served_vllm_servers import cap_warnings, check_servers, open_servers
     from eagle3.target import render_prompt, resolve_target
 
     rows = {n: [dict(id=r["id"], messages=r["messages"]) for r in ds] for n, ds in benchmarks.items()}
-    model_path = str(Path(resolve_target(cfg.model, cfg.cache_dir).path).resolve())
+    local = resolve_target(cfg.model, cfg.cache_dir).path  # None for a hub id not on this machine (e.g. Kimi)
+    model_path = str(Path(local).resolve()) if local else str(cfg.model.source)  # read only to launch a server
     opened = open_servers(cfg, model_path, export.dir, output_dir)
     try:
         desc = {role: s.describe() for role, s in opened.items()}
@@ -161,7 +162,7 @@ def evaluate_servers(cfg: Any, settings, export, info, tokenizer, benchmarks: di
         servers = Servers(opened["baseline"].client, opened["speculative"].client, _request_body(cfg, tokenizer))
         limit, why = prompt_limit([d.get("effective", {}).get("max_model_len") for d in desc.values()],
                                   int(cfg.max_new_tokens), getattr(cfg, "max_prompt_tokens", None))
-        firsts = (render_prompt(tokenizer, [m for m in r["messages"] if m["role"] == "user"][:1])
+        firsts = (render_prompt(tokenizer, system_messages(r) + [m for m in r["messages"] if m["role"] == "user"][:1])
                   for rs in rows.values() for r in rs)
         warm = next((p for p in firsts if limit is None or len(p) <= limit), None)
         if warm is not None:  # none fits: measure_pairs says so

@@ -1,7 +1,7 @@
 """The requests of a vLLM served evaluation: batch-1 pairs and the concurrency sweep.
 
-:func:`measure_pairs` sends every user turn of every benchmark prompt to the baseline
-and the speculative server one request at a time, the two in alternating order from
+:func:`measure_pairs` sends every user turn of every benchmark prompt (its system messages
+first) to the baseline and the speculative server one request at a time, the two in alternating order from
 prompt to prompt (so drift of a shared machine hits both alike), with the same
 rendered prompt ids (a later turn carries the *baseline's* decoded answer, so both
 servers see identical prompts and the greedy outputs can be compared); the speculative
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from eagle3.engines.vllm import Completion, SpecCounters, VLLMClient, spec_counters
-from eagle3.evaluate.served_measures import SERVED_TIE_GAP, first_difference, gc_held
+from eagle3.evaluate.served_measures import SERVED_TIE_GAP, first_difference, gc_held, system_messages
 
 log = logging.getLogger("eagle3")
 
@@ -153,7 +153,7 @@ def measure_pairs(servers: Servers, benchmarks: dict[str, list[dict]], render: C
         skipped = 0
         for sample in rows:
             order = ROLES if k % 2 == 0 else ROLES[::-1]
-            history: list[dict] = []
+            history: list[dict] = system_messages(sample)  # leading every turn, as in process
             for turn, text in enumerate(_user_turns(sample)):
                 history.append({"role": "user", "content": text})
                 prompt = render(history)
