@@ -1,4 +1,4 @@
-"""Small file primitives every stage uses: atomic JSON, folder replacement, sha256."""
+"""Small file primitives every stage uses: atomic JSON, folder replacement, sha256, stale temporary files."""
 
 from __future__ import annotations
 
@@ -60,3 +60,21 @@ def replace_dir(tmp: Path, out: Path) -> None:
     os.replace(tmp, out)
     if old.exists():
         shutil.rmtree(old)
+
+
+def remove_stale_temp_files(folder: str | os.PathLike) -> list[Path]:
+    """Remove the files an interrupted atomic write left in ``folder`` (not in its subfolders).
+
+    Those are ``*.tmp`` (this package's temporary names) and ``.tmpXXXXXX`` (safetensors 0.8 writes
+    a file through a temporary file of that name in the same folder and renames it when done, so a
+    process killed in the middle of ``save_file`` leaves it behind, as large as the file it was
+    writing). Call it only while no process writes into ``folder``.
+
+    Returns:
+        The removed files.
+    """
+    folder = Path(folder)
+    stale = [p for p in (*folder.glob("*.tmp"), *folder.glob(".tmp??????")) if p.is_file()]
+    for p in stale:
+        p.unlink()
+    return stale

@@ -16,7 +16,7 @@ from eagle3 import features
 from eagle3.errors import Eagle3Error
 from eagle3.extract.shards import REPLIES_DIR
 from eagle3.extract.summary import STATS_FILE, _summary, format_summary, stats_part_name
-from eagle3.io import read_json, write_json_atomic
+from eagle3.io import read_json, remove_stale_temp_files, write_json_atomic
 from eagle3.paths import stage_output_dir
 from eagle3.target import resolve_target
 from eagle3.workers import run_workers, worker_devices
@@ -49,8 +49,8 @@ def run_parallel(cfg) -> dict:
     devices = worker_devices(str(cfg.engine.device), list(cfg.parallel.devices), n, "parallel.devices")
     out_dir = stage_output_dir(cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
-    for stale in [*out_dir.glob("*.tmp"), *(out_dir / REPLIES_DIR).glob("*.tmp")]:  # no worker is running yet
-        stale.unlink()
+    for folder in (out_dir, out_dir / REPLIES_DIR):  # what killed workers left half-written; no worker runs yet
+        remove_stale_temp_files(folder)
     target = resolve_target(cfg.model, Path(cfg.cache_dir))  # build the target (e.g. the INT4 checkpoint) once, not N times
     log.info("extract: %d workers on %s", n, ", ".join(devices))
     cfgs = []

@@ -24,7 +24,7 @@ from eagle3.errors import Eagle3Error
 from eagle3.features.format import (AUX_BF16, FEATURES_NONE, FORMAT, MANIFEST, VERSION, Record, part_manifest_name,
                                     sample_layout, shard_name, stored_features)
 from eagle3.features.reader import load_manifest
-from eagle3.io import sha256_file, write_json_atomic
+from eagle3.io import remove_stale_temp_files, sha256_file, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -122,9 +122,8 @@ class FeatureWriter:
         """
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        if part is None:
-            for stale in out_dir.glob("*.tmp"):
-                stale.unlink()
+        if part is None:  # a shard or manifest half-written by a killed run
+            remove_stale_temp_files(out_dir)
         name = MANIFEST if part is None else part_manifest_name(*part)
         plan = [(str(i), str(s)) for i, s in plan]
         ids = [i for i, _ in plan]

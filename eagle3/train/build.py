@@ -25,6 +25,7 @@ import torch
 from eagle3.devices import resolve_device
 from eagle3.errors import Eagle3Error
 from eagle3.features import FeatureDataset
+from eagle3.io import remove_stale_temp_files
 from eagle3.paths import features_dirs, stage_output_dir
 from eagle3.train.checkpoint import TrainState, latest_checkpoint
 from eagle3.train.data import (BatchPlan, length_bucketed_batches, make_loader, open_datasets, train_subset,
@@ -222,6 +223,7 @@ def _draft_vocab(accelerator, path: Path, dirs: list[Path], train_ds: FeatureDat
                                     rows=None if samples is None else train_ds.shard_rows(samples))
         d2t, t2d = build_draft_vocab(counts, dcfg.draft_vocab_size or auto_draft_vocab_size(counts))
         if accelerator.is_main_process:
+            remove_stale_temp_files(path.parent)  # what a run killed in this save left (safetensors' .tmpXXXXXX)
             tmp = path.with_name(path.name + ".tmp")
             save_file({"d2t": d2t, "t2d": t2d, "counts": counts}, str(tmp))
             os.replace(tmp, path)
