@@ -270,6 +270,9 @@ class LoopConfig:
     # backward pass (eagle3/train/loss.py: the same loss and gradients); not with FSDP. A memory
     # lever that costs step time (docs/performance.md)
     fused_loss: bool = False
+    # several processes: seconds one waits in a collective (gradient all-reduce, barrier) for the others before it
+    # fails, saying that another process died or stopped and how to resume (eagle3/train/faults.py)
+    collective_timeout_s: float = 600.0
 
 
 @dataclass

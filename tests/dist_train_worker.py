@@ -11,6 +11,10 @@ when given, and appends ``[rank, step, sample ids]`` of every micro-batch to
 ``OUT/error-<rank>.txt``, one that hangs for 300 s the stacks of its threads to
 ``OUT/hang-<rank>.txt`` (the launcher's stderr interleaves the ranks and a test shows
 only its tail).
+
+``DIST_FAULT=KIND:RANK:STEP`` in the environment (tests/test_distributed_faults.py) makes
+process RANK fail when its first micro-batch of optimizer step STEP arrives, before its
+forward pass: ``kill`` (SIGKILL: it dies) or ``hang`` (it sleeps: alive, answering no peer).
 """
 
 import json
@@ -44,9 +48,21 @@ def main() -> None:
     # a hung collective fails the test with every process's stack, not a timeout
     faulthandler.dump_traceback_later(300, exit=True, file=hang)
 
+    fault = os.environ.get("DIST_FAULT", "").split(":")
+
     def on_batch(step, ids):
         with open(log, "a") as f:
             f.write(json.dumps([rank, step, ids]) + "\n")
+        if len(fault) == 3 and (rank, step) == (int(fault[1]), int(fault[2])):
+            import signal
+            import time
+
+            faulthandler.cancel_dump_traceback_later()  # the fault is no hang to report
+            hang.close()
+            hang_path.unlink(missing_ok=True)
+            if fault[0] == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(3600)  # "hang": the launcher's SIGTERM ends it once a peer has failed
 
     try:
         train_drafter(make_cfg(features, out, **over), tiny_target(), embed(), on_batch=on_batch, stop_after=stop_after)
@@ -56,7 +72,7 @@ def main() -> None:
     finally:
         faulthandler.cancel_dump_traceback_later()
         hang.close()
-        hang_path.unlink()  # reached only when the process did not hang
+        hang_path.unlink(missing_ok=True)  # reached only when the process did not hang
 
 
 if __name__ == "__main__":

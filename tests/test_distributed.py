@@ -6,6 +6,7 @@ command users run on GPUs) and compares checkpoints tensor by tensor.
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,11 @@ WORKER = Path(__file__).resolve().parent / "dist_train_worker.py"
 COMMON = ["loop.max_steps=4", "loop.save_every=1000", "drafter.feature_noise=0.1"]
 
 
-def launch(features: Path, out: Path, processes: int, grad_accum: int, stop_after=None, extra=()) -> None:
+def launch(features: Path, out: Path, processes: int, grad_accum: int, stop_after=None, extra=(), env=None,
+           timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
+    """Train ``processes`` processes of the worker; ``env`` adds to the environment. Past ``timeout``
+    seconds the launcher and every process are killed and the test fails; ``check``: a launch
+    that fails fails the test with each process's report."""
     args = ([str(features), str(out)] + ([str(stop_after)] if stop_after else []) + COMMON
             + [f"loop.grad_accum={grad_accum}", *extra])
     if processes == 1:
@@ -31,11 +36,22 @@ def launch(features: Path, out: Path, processes: int, grad_accum: int, stop_afte
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                "--main_process_port", str(29500 + os.getpid() % 1000), str(WORKER), *args]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", **(env or {}))
     for f in [*out.glob("error-*.txt"), *out.glob("hang-*.txt")]:  # reports of an earlier launch in this folder
         f.unlink()
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, rank_errors(out) + r.stderr[-4000:]
+    # a session of its own, so that a launch past its time goes with all its processes, not the launcher alone
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        stdout, stderr = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        stdout, stderr = p.communicate()
+        pytest.fail(f"the launch did not end within {timeout} s\n" + rank_errors(out) + stderr[-4000:])
+    r = subprocess.CompletedProcess(cmd, p.returncode, stdout, stderr)
+    if check:
+        assert r.returncode == 0, rank_errors(out) + r.stderr[-4000:]
+    return r
 
 
 def rank_errors(out: Path) -> str:

@@ -17,7 +17,7 @@ from toy import embed, make_cfg, tiny_target, write_features
         ("optim.lr", -1.0), ("optim.lr", 0.0), ("optim.weight_decay", -0.1), ("optim.betas", [0.9, 1.0]),
         ("optim.betas", [0.9]), ("optim.warmup_ratio", 1.0), ("optim.grad_clip", -1.0), ("optim.scheduler", "reduce_lr_on_plateau"), ("optim.scheduler", "cosin"),
         ("loop.epochs", 0), ("loop.max_steps", 0), ("loop.max_tokens_per_batch", 4), ("loop.grad_accum", 0),
-        ("loop.log_every", 0), ("loop.save_every", 0), ("loop.eval_every", 0), ("loop.num_workers", -1), ("loop.time_limit_min", 0.0), ("loop.train_fraction", 0.0),
+        ("loop.log_every", 0), ("loop.save_every", 0), ("loop.eval_every", 0), ("loop.num_workers", -1), ("loop.time_limit_min", 0.0), ("loop.collective_timeout_s", 0.0), ("loop.train_fraction", 0.0),
         ("loop.train_fraction", 1.5),
         ("loop.mixed_precision", "fp8"), ("loop.tracker", "wandb"), ("drafter.ttt_steps", 0), ("drafter.feature_noise", -0.1),
         ("drafter.step_weight", 0.0), ("drafter.lm_head_init", "zeros"), ("drafter.ttt_chain_chunk", 0),
@@ -94,6 +94,25 @@ def test_features_that_are_mostly_nan_stop_the_run_before_any_export(tmp_path, c
     assert "nothing was exported" in str(e.value)
     assert not (out / "export").exists() and not (out / "metrics.json").exists()
     assert any("non-finite" in r.getMessage() for r in caplog.records)
+
+
+def test_steps_whose_loss_overflows_are_skipped_and_a_run_of_mostly_skipped_steps_exports_nothing(tmp_path, caplog):
+    import torch
+
+    write_features(tmp_path / "f", n=12, huge_ids=tuple(f"s{i}" for i in range(12)))  # finite, every loss NaN
+    out = tmp_path / "o"
+    cfg = make_cfg(tmp_path / "f", out, **{"loop.max_steps": 2, "drafter.feature_noise": 0.1})
+    with caplog.at_level(logging.WARNING, logger="eagle3"):
+        train_drafter(cfg, tiny_target(), embed(), stop_after=1)
+        opt = torch.load(out / "checkpoints" / "step-00000001" / "optimizer.bin", weights_only=False)
+        assert opt["state"] == {}  # AdamW never stepped: no moment, no step count
+        with pytest.raises(Eagle3Error) as e:  # the same command resumes, skips step 2 too, and refuses to export
+            train_drafter(cfg, tiny_target(), embed())
+    assert str(e.value).startswith("2 of the 2 optimizer steps of this run had non-finite gradients"), e.value
+    assert "nothing was exported" in str(e.value)
+    assert not (out / "export").exists() and not (out / "metrics.json").exists()
+    warned = [r.getMessage() for r in caplog.records if "skipped on every process" in r.getMessage()]
+    assert [w.split(" skipped")[0] for w in warned] == ["optimizer step 1", "optimizer step 2"]
 
 
 def test_a_few_nan_samples_are_trained_around_with_a_warning(tmp_path, caplog):

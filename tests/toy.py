@@ -62,8 +62,11 @@ def held_out(n=40, seed=12345):
     return out
 
 
-def write_features(d, n=24, content_hash="sha256:tiny", nan_ids=(), seed=0, val_every=6, no_labels=False):
-    """A learnable toy: the target's next token is (3 * token + 1) mod V."""
+def write_features(d, n=24, content_hash="sha256:tiny", nan_ids=(), seed=0, val_every=6, no_labels=False,
+                   huge_ids=()):
+    """A learnable toy: the target's next token is (3 * token + 1) mod V. The samples of ``nan_ids``
+    hold a NaN aux value; those of ``huge_ids`` finite aux states of 3e38 (bf16's largest is 3.39e38),
+    which the collator keeps and ``drafter.feature_noise`` pushes past float32's range: a NaN training loss."""
     g = torch.Generator().manual_seed(seed)
     plan = [(f"s{i}", "validation" if i % val_every == val_every - 1 else "train") for i in range(n)]
     meta = {"target": {"content_hash": content_hash, "hidden_size": H, "vocab_size": V, "architecture": "llama",
@@ -78,6 +81,8 @@ def write_features(d, n=24, content_hash="sha256:tiny", nan_ids=(), seed=0, val_
             T = len(ids)
             if sid in nan_ids:
                 aux[1, 0, 0] = float("nan")
+            if sid in huge_ids:
+                aux[:] = 3e38
             top = torch.stack([(3 * ids.long() + 1 + k) % V for k in range(K)], 1).int()
             lp = torch.log_softmax(torch.tensor([4.0, 1.0, 0.5, 0.0]), -1).expand(T, K).clone()
             mask = torch.ones(T, dtype=torch.uint8)

@@ -31,6 +31,7 @@ from eagle3.train.checkpoint import TrainState, latest_checkpoint
 from eagle3.train.data import (BatchPlan, length_bucketed_batches, make_loader, open_datasets, train_subset,
                                warn_on_degenerate_loss_mask)
 from eagle3.train.drafter import DrafterArch, Eagle3Drafter
+from eagle3.train.faults import process_group_kwargs
 from eagle3.train.fused import compile_drafter_elementwise
 from eagle3.train.online import OnlineFeatures, build_online
 from eagle3.train.record import check_resume_record, run_record, tracker_config
@@ -190,7 +191,9 @@ def _log_subset(plan: BatchPlan, split_samples: int, fraction: float) -> None:
 
 
 def _accelerator(cfg: Any, device: torch.device, mixed_precision: str, output_dir: Path):
-    """Accelerate owns the device, mixed precision, gradient accumulation and the tracker."""
+    """Accelerate owns the device, mixed precision, gradient accumulation, the tracker and (several
+    processes) the process group, whose collectives wait ``loop.collective_timeout_s`` at most
+    (:mod:`eagle3.train.faults`)."""
     from accelerate import Accelerator
 
     return Accelerator(
@@ -199,6 +202,7 @@ def _accelerator(cfg: Any, device: torch.device, mixed_precision: str, output_di
         gradient_accumulation_steps=cfg.loop.grad_accum,
         log_with="tensorboard" if cfg.loop.tracker == "tensorboard" else None,
         project_dir=str(output_dir),
+        kwargs_handlers=[process_group_kwargs(cfg.loop.collective_timeout_s)],
     )
 
 

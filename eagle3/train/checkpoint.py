@@ -47,6 +47,7 @@ class TrainState:
     tokens: int = 0
     skipped_nonfinite: int = 0
     train_stats: list = field(default_factory=list)
+    skipped_steps: int = 0  # optimizer steps skipped for non-finite gradients (eagle3.train.loop)
 
     def state_dict(self) -> dict:
         """The counters as a dict of ints and ``train_stats`` as a list of floats (saved as

@@ -42,12 +42,14 @@ def stop(run: Run) -> dict:
 
 
 def _refuse_mostly_skipped(run: Run, progress: Progress) -> None:
-    """Stop before exporting when most samples trained on in this launch had non-finite features.
+    """Stop before exporting when most samples trained on in this launch had non-finite features,
+    or most optimizer steps of the run had non-finite gradients.
 
-    The counts are summed over processes, so every process raises or none does.
+    The counts are summed over processes (the step counters are global), so every process
+    raises or none does.
 
     Raises:
-        Eagle3Error: more than half of the samples (all of them included) were skipped.
+        Eagle3Error: more than half of the samples (all of them included) or of the steps were skipped.
     """
     counts = torch.tensor([progress.session_skipped, progress.session_samples], dtype=torch.int64,
                           device=run.accelerator.device)
@@ -57,6 +59,14 @@ def _refuse_mostly_skipped(run: Run, progress: Progress) -> None:
             f"{skipped} of the {seen} training samples of this run had non-finite (NaN/inf) features and were "
             f"skipped, so the drafter is untrained and nothing was exported; re-extract the features in "
             f"{', '.join(map(str, run.dirs))} (their shards pass their checksums, so the values were written bad)"
+        )
+    state = run.state
+    if state.step and 2 * state.skipped_steps > state.step:
+        raise Eagle3Error(
+            f"{state.skipped_steps} of the {state.step} optimizer steps of this run had non-finite gradients (a "
+            "NaN/inf loss) and were skipped, so the drafter is barely trained and nothing was exported; lower "
+            f"optim.lr, train in float32 (loop.mixed_precision=no) or look for extreme aux states in "
+            f"{', '.join(map(str, run.dirs))}"
         )
 
 
@@ -125,6 +135,7 @@ def _metrics(run: Run, progress: Progress, last_val: Optional[dict]) -> dict:
         "train_time_s": progress.train_time,
         "wall_time_s": time.perf_counter() - run.started,
         "skipped_nonfinite": state.skipped_nonfinite,
+        "skipped_steps": state.skipped_steps,  # optimizer steps skipped for non-finite gradients, on every process
         "draft_vocab_coverage": run.coverage,
         "device": str(acc.device),
         "mixed_precision": run.mixed_precision,

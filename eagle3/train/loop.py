@@ -13,6 +13,7 @@ process.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -76,15 +77,20 @@ class IntervalLog:
 
     ``stats`` is the ``[ttt_steps, 3]`` sum of the steps' statistics on this process's
     device (:class:`~eagle3.train.ttt.TTTOutput`), reduced over processes only when written
-    (the one host sync per log interval); ``tokens`` counts the interval's tokens over all
+    (their one reduction per log interval); ``tokens`` counts the interval's tokens over all
     processes, for tokens/s. ``run_stats`` is the same sum in float64 since the last
     :func:`fold_run_stats`, which moves it into the checkpointed ``TrainState.train_stats``.
+    ``pending`` holds the statistics of the optimizer step under way (added to both once the
+    step is taken, dropped when it is skipped) and ``nonfinite`` its micro-batches whose loss
+    was not finite on this process.
     """
 
     def __init__(self, run: Run, pbar: tqdm):
         self.run, self.pbar = run, pbar
         self.stats = torch.zeros(run.cfg.drafter.ttt_steps, 3, device=run.accelerator.device)
         self.run_stats = torch.zeros(run.cfg.drafter.ttt_steps, 3, dtype=torch.float64, device=run.accelerator.device)
+        self.pending = torch.zeros_like(self.run_stats)  # float64, so a step's sum is exact however it is split
+        self.nonfinite = torch.zeros((), dtype=torch.int64, device=run.accelerator.device)
         self.tokens, self.since = 0, time.perf_counter()
         self.waited = run.online.stats.wait_s if run.online is not None else 0.0
 
@@ -92,7 +98,7 @@ class IntervalLog:
         """Log ``train/*`` at optimizer step ``step``, start a new interval; returns the interval's metrics."""
         acc, J = self.run.accelerator, self.run.cfg.drafter.ttt_steps
         now = time.perf_counter()
-        s = acc.reduce(self.stats, "sum")  # the one host sync per log interval
+        s = acc.reduce(self.stats, "sum")  # the statistics' one reduction per log interval
         last_train = summarize(s, 0.0, 0, self.run.cfg.drafter.step_weight)
         tps = self.tokens / max(now - self.since, 1e-9)
         logs = {"train/loss": last_train["loss"], "train/lr": self.run.scheduler.get_last_lr()[0],
@@ -243,20 +249,47 @@ def _epoch_loader(run: Run, epoch_batches: list[list[int]]):
 
 
 def _train_micro_batch(run: Run, batch: dict, interval: IntervalLog) -> None:
-    """Forward and backward one micro-batch under ``accelerator.accumulate``; the optimizer
-    steps (after clipping to ``optim.grad_clip``) when Accelerate syncs the gradients."""
-    acc, ocfg = run.accelerator, run.cfg.optim
+    """Forward and backward one micro-batch under ``accelerator.accumulate``, then
+    :func:`_optimizer_step` when Accelerate syncs the gradients. Every micro-batch runs both
+    passes, the loss-free stand-in of one whose samples all had non-finite features too
+    (:class:`~eagle3.train.ttt.TTTCollator`): with several processes each one joins every
+    gradient all-reduce, whatever its micro-batch held."""
+    acc = run.accelerator
     batch = batch_to(batch, acc.device)
     with acc.accumulate(run.model):
-        if batch["sample_ids"]:
-            out = run.model(batch)
-            acc.backward(out.loss)
-            interval.stats += out.step_stats
-            interval.run_stats += out.step_stats
-        if acc.sync_gradients and ocfg.grad_clip:
-            acc.clip_grad_norm_(run.params, ocfg.grad_clip)
+        out = run.model(batch)
+        acc.backward(out.loss)
+        interval.pending += out.step_stats
+        interval.nonfinite += ~torch.isfinite(out.loss.detach())
+        if acc.sync_gradients:
+            _optimizer_step(run, interval)
+
+
+def _optimizer_step(run: Run, interval: IntervalLog) -> None:
+    """Clip the synced gradients to ``optim.grad_clip`` and step, or skip the step when they are not finite.
+
+    The decision reads the norm of the all-reduced gradients, the same on every process, so a
+    non-finite loss on any one process makes every process skip the same step, with no
+    collective of its own (one host sync per step reads it): weights, optimizer state and
+    training statistics stay as they were, the learning-rate schedule and the batch plan go
+    on, and ``TrainState.skipped_steps`` counts it. One process skips the same steps as
+    several with the same global batch.
+    """
+    acc, state = run.accelerator, run.state
+    norm = acc.clip_grad_norm_(run.params, run.cfg.optim.grad_clip or math.inf)  # inf: the norm, nothing clipped
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
+    if bool(torch.isfinite(norm)):
         run.optimizer.step()
-        run.optimizer.zero_grad(set_to_none=True)
+        interval.stats += interval.pending.to(interval.stats.dtype)
+        interval.run_stats += interval.pending
+    else:
+        state.skipped_steps += 1
+        log.warning("optimizer step %d skipped on every process: the gradients were not finite (norm %s; %d of this "
+                    "process's micro-batches had a non-finite loss); %d steps skipped so far", state.step + 1,
+                    float(norm), int(interval.nonfinite), state.skipped_steps)
+    run.optimizer.zero_grad(set_to_none=True)
+    interval.pending.zero_()
+    interval.nonfinite.zero_()
 
 
 def _after_step(run: Run, progress: Progress, interval: IntervalLog) -> None:

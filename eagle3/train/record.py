@@ -22,7 +22,7 @@ from eagle3.io import sha256_file, write_json_atomic
 RECORD = "train_config.json"
 # Settings that may change between a run and its resume (everything else must match).
 RESUMABLE_KEYS = ("loop.grad_accum", "loop.log_every", "loop.save_every", "loop.eval_every", "loop.num_workers", "loop.tracker",
-                  "loop.time_limit_min", "loop.compile_drafter", "loop.fused_loss",
+                  "loop.time_limit_min", "loop.compile_drafter", "loop.fused_loss", "loop.collective_timeout_s",
                   "loop.pad_multiple",  # padding is masked out of the loss (tests/test_train.py)
                   "drafter.ttt_attention", "drafter.ttt_chain_chunk",  # forms of one attention (tests/test_ttt.py)
                   "export", "device", "cache_dir", "output_dir",

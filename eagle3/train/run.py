@@ -36,6 +36,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from eagle3.train.build import build_run
+from eagle3.train.faults import peer_failures
 from eagle3.train.finish import finish, stop
 from eagle3.train.loop import train_loop
 
@@ -93,15 +94,18 @@ def train_drafter(
 
     Raises:
         Eagle3Error: see :func:`eagle3.train.build.build_run` and
-            :func:`eagle3.train.loop.train_loop`.
+            :func:`eagle3.train.loop.train_loop`; with several processes, another process died or
+            stopped answering for ``loop.collective_timeout_s`` (:mod:`eagle3.train.faults`: the same
+            command resumes from the newest checkpoint).
     """
-    run = build_run(cfg, target, embed, lm_head, engine=engine)
-    try:
-        progress = train_loop(run, stop_after=stop_after, on_batch=on_batch)
-        result = stop(run) if progress.interrupted else finish(run, progress)
-    finally:
-        if run.online is not None:
-            run.online.close()
+    with peer_failures(cfg):  # several processes: a dead or stuck peer ends every other one with a clear error
+        run = build_run(cfg, target, embed, lm_head, engine=engine)
+        try:
+            progress = train_loop(run, stop_after=stop_after, on_batch=on_batch)
+            result = stop(run) if progress.interrupted else finish(run, progress)
+        finally:
+            if run.online is not None:
+                run.online.close()
     # Several processes: free the DDP model while `group` still holds its process group, so that the group's
     # last reference goes through its Python binding, which releases the GIL before ~ProcessGroupGloo joins
     # gloo's worker threads. Dropped last by DDP's C++ Reducer (when `run` goes), the join ran with the GIL

@@ -46,6 +46,8 @@ def _bad_setting(cfg: Any) -> Optional[str]:
         ("loop.num_workers", lp.num_workers, lp.num_workers >= 0, "must be >= 0"),
         ("loop.time_limit_min", lp.time_limit_min, lp.time_limit_min is None or lp.time_limit_min > 0,
          "must be > 0 (minutes) or null"),
+        ("loop.collective_timeout_s", lp.collective_timeout_s, lp.collective_timeout_s > 0,
+         "must be > 0 (seconds a process waits for the others)"),
         ("loop.train_fraction", lp.train_fraction, 0 < lp.train_fraction <= 1,
          "must be in (0, 1] (a fraction of the training samples)"),
         ("loop.mixed_precision", lp.mixed_precision, lp.mixed_precision in MIXED_PRECISION,

@@ -134,10 +134,24 @@ class TTTCollator:
         lp = sample["topk_logprobs"]
         return not bad_aux and not bool((torch.isnan(lp) | (lp == float("inf"))).any())
 
+    @staticmethod
+    def stand_in(sample: dict) -> dict:
+        """A loss-free copy of ``sample``: zero aux states and log-probs, no loss-masked token."""
+        return {**sample, "aux_hidden_states": torch.zeros_like(sample["aux_hidden_states"]),
+                "topk_logprobs": torch.zeros_like(sample["topk_logprobs"]),
+                "loss_mask": torch.zeros_like(sample["loss_mask"])}
+
     def __call__(self, samples: Sequence[dict]) -> dict[str, Any]:
-        """Collate feature records (``FeatureDataset`` items) into the batch dict described above."""
+        """Collate feature records (``FeatureDataset`` items) into the batch dict described above.
+
+        When every sample has non-finite features the batch holds one loss-free :meth:`stand_in`
+        (``sample_ids`` empty): its forward and backward pass give zero loss and zero gradients, so
+        with several processes this one still joins the gradient all-reduce its peers wait in."""
         good = [s for s in samples if self.is_finite(s)]
         skipped = len(samples) - len(good)
+        sample_ids = [s.get("sample_id") for s in good]
+        if not good and samples:
+            good = [self.stand_in(samples[0])]
         L = [min(int(s["input_ids"].shape[0]), self.max_length) for s in good]
         B, T = len(good), max(L, default=0)
         T = -(-T // self.pad_multiple) * self.pad_multiple  # aligned keys suit the fused SDPA kernels
@@ -198,11 +212,11 @@ class TTTCollator:
             "target_ids": out_ids,
             "target_q": out_q,
             "chain_starts": chain.flatten(),
-            "num_tokens": sum(L),
+            "num_tokens": sum(L) if sample_ids else 0,
             "num_chains": int(chain.sum()),
             "skipped_nonfinite": skipped,
             "skipped_ids": [s.get("sample_id") for s in samples if not self.is_finite(s)] if skipped else [],
-            "sample_ids": [s.get("sample_id") for s in good],
+            "sample_ids": sample_ids,
         }
 
 
