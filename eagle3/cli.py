@@ -156,13 +156,29 @@ def exit_on_unknown_choice(conf_dir: Path, config_name: str, argv: Optional[Sequ
         sys.exit(2)
 
 
-def unknown_override_key(overrides: Sequence[str], schema: type, groups: Sequence[str] = ()) -> Optional[str]:
+def _model_engine(conf_dir: Path, model: Optional[str]) -> Optional[str]:
+    """The engine ``conf/model/<model>.yaml`` selects (``override /engine@_global_.engine: sglang``
+    in its defaults list, as ``kimi-k25-int4`` does), or None."""
+    path = Path(conf_dir) / "model" / f"{model}.yaml"
+    if not model or not path.is_file():
+        return None
+    for entry in OmegaConf.load(path).get("defaults") or []:
+        if isinstance(entry, (DictConfig, dict)):
+            for key, value in entry.items():
+                if str(key).startswith("override") and str(key).split("@")[0].split()[-1].strip("/") == "engine":
+                    return str(value)
+    return None
+
+
+def unknown_override_key(overrides: Sequence[str], schema: type, groups: Sequence[str] = (),
+                         conf_dir: Optional[Path] = None) -> Optional[str]:
     """One sentence naming a plain ``key=value`` override whose key ``schema`` lacks, or None.
 
     Hydra refuses such a key in several lines and suggests ``+key=value``, which adds a
     key nothing reads (:func:`to_typed` then refuses it). The key is checked along the
     dataclass fields of ``schema``; ``engine.*`` along the schema of the engine chosen
-    (``engine=`` on the command line, else the stage's default, :data:`ENGINE_SCHEMAS`).
+    (``engine=`` on the command line, else the one the chosen model's config selects when
+    ``conf_dir`` is given (:func:`_model_engine`), else the stage's default, :data:`ENGINE_SCHEMAS`).
     Below a field that is no dataclass (dicts, lists) it is left to Hydra, as are
     ``+``/``++``/``~`` overrides, ``hydra.*`` and ``group/option`` keys and the config ``groups``.
     """
@@ -175,10 +191,15 @@ def unknown_override_key(overrides: Sequence[str], schema: type, groups: Sequenc
     defaults = next((f.default_factory() for f in dataclasses.fields(schema)  # type: ignore[misc]
                      if f.name == "defaults" and f.default_factory is not dataclasses.MISSING), [])
     engine = next((d["engine"] for d in defaults if isinstance(d, dict) and "engine" in d), None)
+    model = next((d["model"] for d in defaults if isinstance(d, dict) and "model" in d), None)
+    chosen = None
     for ov in overrides:
         key, sep, value = ov.partition("=")
         if key.strip() == "engine" and sep:
-            engine = value.strip()
+            chosen = value.strip()
+        if key.strip() == "model" and sep:
+            model = value.strip()
+    engine = chosen or (_model_engine(conf_dir, model) if conf_dir is not None else None) or engine
     for ov in overrides:
         key, sep, _ = ov.partition("=")
         key = key.strip()
@@ -210,7 +231,7 @@ def exit_on_unknown_key(schema: type, conf_dir: Path, config_name: str, argv: Op
     (``argv``, default ``sys.argv[1:]``) sets a key that ``schema`` does not have
     (:func:`unknown_override_key`)."""
     overrides = list(sys.argv[1:] if argv is None else argv)
-    problem = unknown_override_key(overrides, schema, config_groups(conf_dir, config_name))
+    problem = unknown_override_key(overrides, schema, config_groups(conf_dir, config_name), conf_dir)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         sys.exit(2)

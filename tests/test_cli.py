@@ -129,6 +129,25 @@ def test_a_plain_override_of_a_key_the_schema_lacks_is_named_before_hydra_runs(s
         "'zzz' is not a setting of this stage; the settings there are model, ")
 
 
+@pytest.mark.parametrize("stage", ["extract", "evaluate"])
+def test_engine_keys_are_checked_along_the_engine_the_chosen_model_selects(stage):
+    """conf/model/kimi-k25-int4.yaml selects engine=sglang: ``python extract.py model=kimi-k25-int4
+    engine.url=...`` (docs/sglang.md) composes, so the check before Hydra must pass it too."""
+    from eagle3.cli import unknown_override_key
+    from eagle3.config import EvaluateConfig, ExtractConfig
+
+    schema = {"extract": ExtractConfig, "evaluate": EvaluateConfig}[stage]
+    groups = config_groups(CONF, stage)
+    url = "engine.baseline_url=http://h:1" if stage == "evaluate" else "engine.url=http://h:1"
+    assert _compose(stage, ["model=kimi-k25-int4", url]).engine.name == "sglang"
+    assert unknown_override_key(["model=kimi-k25-int4", url], schema, groups, CONF) is None
+    assert unknown_override_key([url], schema, groups, CONF).startswith(  # the default model: the stage's hf
+        f"'{url.split('=')[0]}' is not a setting of engine=hf")
+    # an engine= on the command line wins over the model's choice
+    assert unknown_override_key(["model=kimi-k25-int4", "engine=vllm", "engine.pythn=/x"], schema, groups, CONF) == (
+        "'engine.pythn' is not a setting of engine=vllm; did you mean engine.python?")
+
+
 def test_a_misspelt_plain_override_is_one_line_and_exit_code_2():
     r = subprocess.run([sys.executable, "train.py", "drafter.num_layer=2"], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
