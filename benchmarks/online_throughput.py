@@ -178,10 +178,41 @@ def breakdown(engine, store: Path, a, max_tokens: int = 16384, n: int = 30) -> d
            "producer_tokens_per_s": timed(lambda b: {k: v.pin_memory() if a.device == "cuda" and
                                                      isinstance(v, torch.Tensor) else v
                                                      for k, v in collate(online.features_of([items[i] for i in b])).items()})}
+    if a.profile:
+        out["profile"] = profile_capture(engine, [[items[i]["input_ids"].tolist() for i in b] for b in batches[:5]],
+                                         a.profile)
     print(f"breakdown, {len(batches)} micro-batches of <= {max_tokens} tokens, no trainer: capture "
           f"{out['capture_tokens_per_s']:,.0f} tok/s | features_of {out['features_of_tokens_per_s']:,.0f} | "
           f"+ collate and pin {out['producer_tokens_per_s']:,.0f}")
     return out
+
+
+def profile_capture(engine, batches: list[list[list[int]]], path: str) -> dict:
+    """``engine.capture`` of each of ``batches`` under ``torch.profiler``: prints the kernels
+    that took most device time and the device-busy fraction (kernel time / wall time: well
+    below 1 means the host, not the GPU, bounds the capture); the whole table goes to ``path``.
+    Returns ``{"wall_s", "device_s", "busy"}`` (seconds, summed over the batches)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    engine.capture(batches[0], TOP_K)  # warm-up outside the trace
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        for b in batches:
+            engine.capture(b, TOP_K)
+        sync()
+        wall = time.perf_counter() - t0
+    ka = prof.key_averages()
+    dev = sum(e.self_device_time_total for e in ka if e.device_type == torch.autograd.DeviceType.CUDA) / 1e6
+    table = ka.table(sort_by="self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total",
+                     row_limit=40)
+    Path(path).write_text(table)
+    print("\n".join(table.splitlines()[:28]))
+    print(f"profile of {len(batches)} captures: wall {wall * 1e3:.1f} ms, kernels {dev * 1e3:.1f} ms, "
+          f"device busy {dev / wall:.1%}")
+    return {"wall_s": wall, "device_s": dev, "busy": dev / wall}
 
 
 class _Borrowed:
@@ -225,6 +256,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--work", default=None, help="folder for the stores and runs (default: a temporary one)")
     ap.add_argument("--breakdown", action="store_true",
                     help="first time the producer's parts alone (capture, features_of, collate and pin)")
+    ap.add_argument("--profile", default=None, metavar="FILE",
+                    help="with --breakdown: trace five captures with torch.profiler, print the top kernels, "
+                         "write the table to FILE")
     ap.add_argument("--json", default=None, help="write the printed figures to this file")
     a = ap.parse_args(argv)
     if a.device == "auto":

@@ -346,9 +346,13 @@ class HFEngine(Engine):
             rows = mask.view(-1).nonzero().squeeze(1).to(self.device)  # [N] real positions in batch order
             store: dict[int, torch.Tensor] = {}
             with aux_hooks(self._layers, self._norm, self.target.aux_layer_ids, store):
+                # no padding mask: the pads are on the right, so in a causal decoder a real token
+                # attends only to earlier, real ones; the pads' own outputs are computed and dropped
+                # (``rows``). Plain causal attention takes the flash kernel, where a padding mask
+                # took a masked one, 40% of the capture's device time on one H100 (docs/performance.md)
                 hidden = self._base(
                     input_ids=ids.to(self.device),
-                    attention_mask=mask.to(self.device),
+                    attention_mask=None,
                     position_ids=pos.to(self.device),
                     use_cache=False,
                 ).last_hidden_state  # [B, T, H], after the final norm
