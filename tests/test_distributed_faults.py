@@ -129,6 +129,8 @@ def test_the_collective_timeout_reaches_the_process_group_as_set():
 def test_only_failed_collectives_count_as_a_peer_failure():
     gloo = "[third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 20000ms for recv operation"
     assert is_collective_failure(RuntimeError(gloo))
+    # gloo's timeout inside DDP's buffer broadcast carries no backend name
+    assert is_collective_failure(RuntimeError("Application timeout caused pair closure"))
     assert is_collective_failure(torch.distributed.DistBackendError("NCCL communicator was aborted"))
     assert not is_collective_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)"))
     assert not is_collective_failure(torch.OutOfMemoryError("CUDA out of memory (nccl buffers)"))

@@ -27,7 +27,7 @@ from eagle3.errors import Eagle3Error
 from eagle3.train.checkpoint import latest_checkpoint
 
 # what gloo, NCCL and the c10d store put in the message of a failed or timed-out collective
-_COLLECTIVE_MARKS = ("gloo", "nccl", "c10d", "processgroup")
+_COLLECTIVE_MARKS = ("gloo", "nccl", "c10d", "processgroup", "pair closure")  # gloo: "Application timeout caused pair closure"
 
 
 def process_group_kwargs(timeout_s: float):
