@@ -248,8 +248,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--experiment", default="h200", help="conf/experiment/<name>.yaml ('' for none)")
     ap.add_argument("--max-tokens", type=int, default=None, help="loop.max_tokens_per_batch (default: the experiment's)")
     ap.add_argument("--capture-batch", type=int, default=None, help="engine.capture_batch_size of the hf engine")
-    ap.add_argument("--compile-layers", action="store_true",
-                    help="the capture engine with engine.compile_layers=true (inductor-compiled decoder layers)")
+    ap.add_argument("--eager-layers", action="store_true",
+                    help="the capture engine with engine.compile_layers=false (default: true, what train.py "
+                         "features=online picks on CUDA: inductor-compiled decoder layers)")
     ap.add_argument("--override", action="append", default=[], help="one more train.py override (repeatable)")
     ap.add_argument("--tokenizer", default=str(TOKENIZER),
                     help="a tokenizer folder (the engine reads its end-of-turn ids; default: the built embedded target)")
@@ -272,7 +273,7 @@ def main(argv=None) -> dict:
 
     tokenizer = AutoTokenizer.from_pretrained(a.tokenizer)
     engine = HFEngine(model, tokenizer, info, HFEngineConfig(device=a.device, capture_batch_size=a.capture_batch,
-                                                                compile_layers=a.compile_layers or None), device)
+                                                                compile_layers=not a.eager_layers), device)
     embed = model.get_input_embeddings().weight.detach().float().cpu()
     data = replies(a.samples, info.vocab_size, a.median_len, a.max_len)
     work = Path(a.work or tempfile.mkdtemp(prefix="online-bench-"))

@@ -309,3 +309,39 @@ def test_replies_rendered_with_another_chat_template_are_refused_before_the_firs
         run_train(_train_cfg(tiny_target_dir, tmp_path, tmp_path / "replies", tmp_path / "a",
                              **{"features.mode": "online"}))
     assert not (tmp_path / "a" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("setting, want", [(None, True), (False, False), (True, True)])
+def test_the_in_process_capture_engine_of_online_training_compiles_its_layers_by_default(tmp_path, monkeypatch,
+                                                                                        setting, want):
+    """``engine.compile_layers=null`` (auto) builds online training's hf engine with compiled layers
+    (on CUDA; ``wants_compile`` keeps them eager off it); an explicit setting is kept."""
+    import types
+
+    import eagle3.engines as engines
+    from eagle3.config import FeaturesConfig, HFEngineConfig
+    from eagle3.train.online import build_online
+
+    seen = {}
+
+    class Engine:
+        tokenizer = object()  # the replies record no template hash, so it is not rendered
+
+        def info(self):
+            return {"name": "hf"}
+
+        def close(self):
+            pass
+
+    def fake_build(model_cfg, engine_cfg, cache_dir, run_dir=None):
+        seen["cfg"] = engine_cfg
+        return Engine()
+
+    monkeypatch.setattr(engines, "build_engine", fake_build)
+    cfg = types.SimpleNamespace(engine=HFEngineConfig(device="cpu", compile_layers=setting), model=None,
+                                cache_dir=tmp_path, features=FeaturesConfig(), features_dir=tmp_path)
+    accelerator = types.SimpleNamespace(device=torch.device("cpu"), num_processes=1, process_index=0)
+    ds = types.SimpleNamespace(metadata={})
+    online = build_online(cfg, None, ds, tmp_path, accelerator, 1024, engine=None)
+    assert seen["cfg"].compile_layers is want and seen["cfg"].device == "cpu"
+    online.close()
