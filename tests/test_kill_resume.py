@@ -222,22 +222,9 @@ def _extract_cmd(tiny_target_dir: Path, tmp: Path) -> list[str]:
 def _train_cmd(tmp: Path) -> list[str]:
     """A toy features folder (tests/toy.py) for a tiny float32 Llama of its sizes, and train.py on it:
     12 optimizer steps over two epochs, a checkpoint every 2."""
-    import torch
-    from omegaconf import OmegaConf
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from toy import write_target_and_features
 
-    from eagle3.config import ModelConfig
-    from eagle3.target import resolve_target
-    from toy import H, V, write_features
-
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(hidden_size=H, intermediate_size=32, num_hidden_layers=8, num_attention_heads=2,
-                                 num_key_value_heads=1, vocab_size=V, max_position_embeddings=512)
-                     ).save_pretrained(tmp / "toy_target")
-    mc = OmegaConf.to_object(OmegaConf.structured(ModelConfig(name="tiny", source=str(tmp / "toy_target"),
-                                                              dtype="float32")))
-    mc.quantization.method = "none"
-    write_features(tmp / "features", n=30, content_hash=resolve_target(mc, tmp / "cache").content_hash)
+    write_target_and_features(tmp / "toy_target", tmp / "features", tmp / "cache", n=30)
     return [sys.executable, str(ROOT / "train.py"), f"model.source={tmp / 'toy_target'}", "model.name=tiny",
             "model.quantization.method=none", "model.dtype=float32", f"cache_dir={tmp / 'cache'}",
             f"features_dir={tmp / 'features'}", "data.name=toy", "drafter.ttt_steps=3", "drafter.draft_vocab_size=48",

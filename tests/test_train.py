@@ -8,17 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 import eagle3  # noqa: F401
-from eagle3.config import ModelConfig
 from eagle3.errors import Eagle3Error
 from eagle3.features import FeatureDataset
 from eagle3.train.data import BatchPlan, length_bucketed_batches, train_subset
 from eagle3.train.drafter import Eagle3Drafter
 from eagle3.train.run import train_drafter
-from toy import H, V, embed, held_out, make_cfg, rule, tiny_target, write_features
+from toy import H, V, embed, held_out, make_cfg, rule, tiny_target, write_features, write_target_and_features
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -333,19 +331,7 @@ def test_input_checks(tmp_path):
 
 def test_hydra_multirun_gives_one_folder_per_job_and_a_summary(tmp_path):
     """``python train.py -m drafter.ttt_steps=1,2`` on a tiny local target."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from eagle3.target import resolve_target
-
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(hidden_size=H, intermediate_size=32, num_hidden_layers=8, num_attention_heads=2,
-                                 num_key_value_heads=1, vocab_size=V, max_position_embeddings=512)
-                     ).save_pretrained(tmp_path / "tiny")
-    mc = OmegaConf.to_object(OmegaConf.structured(ModelConfig(name="tiny", source=str(tmp_path / "tiny"),
-                                                              dtype="float32")))
-    mc.quantization.method = "none"
-    info = resolve_target(mc, tmp_path / "cache")
-    write_features(tmp_path / "f", n=12, content_hash=info.content_hash)
+    write_target_and_features(tmp_path / "tiny", tmp_path / "f", tmp_path / "cache", n=12)
     sweep = tmp_path / "sweep"
     cmd = [sys.executable, str(ROOT / "train.py"), "-m", "drafter.ttt_steps=1,2",
            f"model.source={tmp_path / 'tiny'}", "model.name=tiny", "model.quantization.method=none",

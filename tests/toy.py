@@ -1,7 +1,13 @@
 """A learnable toy feature set and a tiny target description for the train-stage tests.
 
 The target's next token is ``(3 * token + 1) mod V``; features are the token's
-embedding plus noise, so a drafter learns it in a few steps.
+embedding plus noise, so a drafter learns it in a few steps. Sizes: hidden ``H = 16``,
+vocabulary ``V = 64``, top-``K = 4`` logprobs per position, aux states of layers 2, 4, 5
+(``[T, 3, H]`` bfloat16 as stored), 6 <= T < 20 tokens a sample.
+
+:func:`write_target_and_features` also saves a real tiny float32 Llama of those sizes
+(8 layers, 2 heads / 1 KV head, intermediate 32, 512 positions, random weights of seed 0)
+and a features folder carrying its content hash, for tests that run ``train.py`` itself.
 """
 
 import types
@@ -115,3 +121,24 @@ def make_cfg(features, out, **over):
 
 def embed():
     return torch.randn(V, H, generator=torch.Generator().manual_seed(7))
+
+
+def write_target_and_features(target_dir, features_dir, cache_dir, n):
+    """Save a tiny float32 ``LlamaForCausalLM`` of the toy's sizes (hidden H, vocabulary V, 8 layers,
+    2 attention heads / 1 KV head, intermediate 32, 512 positions; weights drawn after
+    ``torch.manual_seed(0)``) to ``target_dir``, resolve it as model ``tiny`` (float32, no quantization)
+    with ``cache_dir`` as the cache, and write ``n`` toy samples (:func:`write_features`) to
+    ``features_dir`` under that target's content hash, which is returned (``"sha256:..."``)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from eagle3.target import resolve_target
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(hidden_size=H, intermediate_size=32, num_hidden_layers=8, num_attention_heads=2,
+                                 num_key_value_heads=1, vocab_size=V, max_position_embeddings=512)
+                     ).save_pretrained(target_dir)
+    mc = OmegaConf.to_object(OmegaConf.structured(ModelConfig(name="tiny", source=str(target_dir), dtype="float32")))
+    mc.quantization.method = "none"
+    content_hash = resolve_target(mc, cache_dir).content_hash
+    write_features(features_dir, n=n, content_hash=content_hash)
+    return content_hash
