@@ -61,9 +61,15 @@ def target_row(meta: dict, info, model_name: str) -> dict:
     served = f"{info.name} (content hash {str(info.content_hash)[:16]}, quantization {_quant_text(info.quantization)})"
     warnings = [w for w in check_export({**meta, "chat_template_hash": "-"}, info, None) if w.startswith(_DIFFERENT_TARGET)]
     if warnings:
+        fix = (f"serve the target the features came from (model={t.get('name')}), or extract features from "
+               f"model={model_name} and retrain")
+        if _quant_text(t.get("quantization")) == _quant_text(info.quantization):  # same recipe, other bytes
+            from eagle3.target.build_record import hash_mismatch_advice
+
+            fix += "; " + hash_mismatch_advice(t.get("build"), getattr(info, "build", None),
+                                               getattr(info, "path", None), subject="the drafter's training target")
         return row(TARGET, "fail", f"the features were extracted from {recorded} but model={model_name} serves "
-                   f"{served}", f"serve the target the features came from (model={t.get('name')}), or extract "
-                   f"features from model={model_name} and retrain")
+                   f"{served}", fix)
     if not t.get("content_hash"):
         return row(TARGET, "warn", f"the export records no content hash for its target {recorded}; served: {served}",
                    "re-export the drafter from its training run (it records the target's content hash)")

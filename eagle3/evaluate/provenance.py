@@ -67,6 +67,15 @@ def _norm_quant(q: Any) -> dict:
             "algorithm": q.get("algorithm") or "rtn"}
 
 
+def _build_advice(recorded: dict, target_info) -> str:
+    """The same quantization, other bytes: where each build was made and what to copy."""
+    from eagle3.target.build_record import hash_mismatch_advice
+
+    return ", or serve the exact build: " + hash_mismatch_advice(
+        recorded.get("build"), getattr(target_info, "build", None), getattr(target_info, "path", None),
+        subject="the drafter's training target")
+
+
 def check_export(meta: dict, target_info, template_hash: Optional[str]) -> list[str]:
     """Compare an export's provenance with the configured target; return warnings.
 
@@ -95,6 +104,7 @@ def check_export(meta: dict, target_info, template_hash: Optional[str]) -> list[
             f"configured target is {getattr(target_info, 'name', '?')} (content hash "
             f"{str(getattr(target_info, 'content_hash', '?'))[:16]}, quantization {qb or '?'}); expect a low "
             "acceptance length: extract features from the served target and retrain"
+            + (_build_advice(t, target_info) if hash_differs and not quant_differs else "")
         )
     want = meta.get("chat_template_hash")
     if want and template_hash and want != template_hash:

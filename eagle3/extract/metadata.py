@@ -47,6 +47,7 @@ def _metadata(cfg, target, engine, tokenizer) -> dict:
             "vocab_size": target.vocab_size,
             "quantization": target.quantization,
             "dtype": target.dtype,
+            "build": getattr(target, "build", None),  # where its folder was built (eagle3.target.build_record)
         },
         "aux_layer_ids": list(target.aux_layer_ids),
         # what the shards hold (absent = offline: features); none = the kept replies alone (eagle3.features.format)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from eagle3.errors import Eagle3Error
+from eagle3.target.build_record import read_build_record
 from eagle3.target.layers import resolve_aux_layer_ids
 from eagle3.target.quantize import _build_dequant, _build_w4a16
 from eagle3.target.source import (
@@ -67,6 +68,7 @@ class TargetInfo:
     num_key_value_heads: Optional[int] = None
     head_dim: Optional[int] = None
     intermediate_size: Optional[int] = None
+    build: Optional[dict] = None  # the folder's eagle3_build.json (eagle3.target.build_record), None if not built here
 
     def to_dict(self) -> dict:
         """The fields as a JSON-able dict (``dataclasses.asdict``)."""
@@ -229,6 +231,7 @@ def resolve_target(model_cfg, cache_dir) -> TargetInfo:
             num_key_value_heads=cfg.get("num_key_value_heads", heads),
             head_dim=cfg.get("head_dim") or (hidden // heads if heads else None),
             intermediate_size=cfg.get("intermediate_size"),
+            build=read_build_record(folder),
         )
     aux = resolve_aux_layer_ids(
         list(model_cfg.aux_layer_ids) if model_cfg.aux_layer_ids is not None else None, num_layers

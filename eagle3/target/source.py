@@ -33,6 +33,7 @@ from typing import Optional
 import torch
 
 from eagle3.errors import Eagle3Error
+from eagle3.target.build_record import write_build_record
 
 log = logging.getLogger("eagle3")
 
@@ -135,6 +136,7 @@ def _atomic_build(target: Path, builder, what: str) -> Path:
         try:
             log.info("building %s into %s (first use; cached afterwards)", what, target)
             builder(tmp)
+            write_build_record(tmp, what)  # where it was built (GPTQ bytes differ by machine)
             os.chmod(tmp, 0o755)  # mkdtemp makes it private; the built folder is ordinary
             os.replace(tmp, target)
         except BaseException:

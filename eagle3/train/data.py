@@ -48,9 +48,12 @@ def check_features_match_target(metadata: dict, target: Any, dirs: list[Path]) -
                 f"features in {name} were extracted from the {t['dtype']} build of the target, but model.dtype is "
                 f"{mine}; pass model.dtype={t['dtype']}"
             )
+        from eagle3.target.build_record import hash_mismatch_advice
+
         raise Eagle3Error(
             f"features in {name} were extracted from target weights {t['content_hash']} but model={target.name} "
-            f"resolves to {target.content_hash}; train with the model the features came from"
+            f"resolves to {target.content_hash}; train with the model the features came from. "
+            + hash_mismatch_advice(t.get("build"), getattr(target, "build", None), getattr(target, "path", None))
         )
     for key in ("hidden_size", "vocab_size"):
         if t.get(key) is not None and int(t[key]) != int(getattr(target, key)):

@@ -190,6 +190,7 @@ def _export_meta(run: Run) -> dict:
             "content_hash": (first["metadata"].get("target") or {}).get("content_hash", target.content_hash),
             "quantization": (first["metadata"].get("target") or {}).get("quantization", target.quantization),
             "architecture": target.architecture,
+            "build": (first["metadata"].get("target") or {}).get("build"),  # eagle3.target.build_record
         },
         "chat_template_hash": first["metadata"].get("chat_template_hash"),
         "aux_layer_ids": run.aux_ids,
