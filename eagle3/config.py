@@ -24,7 +24,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 # The engine schemas (hf, sglang, vllm) live in eagle3/config_engines.py; re-exported here.
-from eagle3.config_engines import FeaturesConfig, HFEngineConfig, SGLangEngineConfig, VLLMEngineConfig  # noqa: F401
+from eagle3.config_engines import (  # noqa: F401
+    FeaturesConfig, HFEngineConfig, RemoteEngineConfig, SGLangEngineConfig, VLLMEngineConfig)
 # The evaluate stage's prompts and mode=doctor's settings live in eagle3/config_evaluate.py; re-exported here.
 from eagle3.config_evaluate import BenchmarksConfig, DoctorConfig  # noqa: F401
 
@@ -369,6 +370,7 @@ def register_configs() -> None:
     cs.store(group="engine", name="hf_schema", node=HFEngineConfig)
     cs.store(group="engine", name="sglang_schema", node=SGLangEngineConfig)
     cs.store(group="engine", name="vllm_schema", node=VLLMEngineConfig)
+    cs.store(group="engine", name="remote_schema", node=RemoteEngineConfig)
     cs.store(group="drafter", name="drafter_schema", node=DrafterConfig)
     cs.store(group="features", name="features_schema", node=FeaturesConfig)
     cs.store(group="optim", name="optim_schema", node=OptimConfig)

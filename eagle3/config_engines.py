@@ -188,5 +188,24 @@ class FeaturesConfig:
 FEATURE_MODES = {"extract": ("offline", "none"), "train": ("offline", "online")}
 
 
+@dataclass
+class RemoteEngineConfig:
+    """``engine=remote`` (``train.py features=online`` only): a capture node on another host
+    (``python -m eagle3.engines.remote``, :mod:`eagle3.engines.remote`), its tensors read from a
+    Mooncake store (hs-connectors' ``MooncakeHiddenStatesStore``), only token ids and transfer
+    manifests over HTTP."""
+
+    name: str = "remote"
+    url: Optional[str] = None  # the capture node, http://HOST:PORT
+    master: Optional[str] = None  # the Mooncake master, HOST:PORT (mooncake_master --port PORT)
+    local_hostname: str = "127.0.0.1"  # the address the node's store traffic reaches this trainer at
+    protocol: str = "tcp"  # tcp | rdma (with device_name, e.g. mlx5_0)
+    device_name: str = ""
+    segment_mb: int = 256  # memory this trainer gives the store, MiB (the node's holds the captures)
+    timeout_s: float = 600.0  # one capture request
+    fetch_timeout_s: float = 120.0  # a published capture becoming readable
+
+
 # The schema of each `engine=` choice (conf/engine/<name>.yaml), for checks made before Hydra runs.
-ENGINE_SCHEMAS = {"hf": HFEngineConfig, "sglang": SGLangEngineConfig, "vllm": VLLMEngineConfig}
+ENGINE_SCHEMAS = {"hf": HFEngineConfig, "sglang": SGLangEngineConfig, "vllm": VLLMEngineConfig,
+                  "remote": RemoteEngineConfig}

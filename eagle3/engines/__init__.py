@@ -14,7 +14,8 @@ def build_engine(model_cfg, engine_cfg, cache_dir, run_dir) -> Engine:
     ``hf`` loads the target in this process (building its folder on first use);
     ``sglang`` connects to / launches an SGLang server (imported lazily, so the hf path
     never needs SGLang's client code); ``vllm`` generates the replies on a vLLM server
-    and captures their features in process (:mod:`eagle3.engines.vllm.engine`).
+    and captures their features in process (:mod:`eagle3.engines.vllm.engine`); ``remote`` reads
+    online training's features from a capture node on another host (:mod:`eagle3.engines.remote`).
 
     Raises:
         Eagle3Error: an unknown engine name, SGLang support missing, or what the
@@ -37,4 +38,8 @@ def build_engine(model_cfg, engine_cfg, cache_dir, run_dir) -> Engine:
         from eagle3.engines.vllm.engine import VLLMEngine
 
         return VLLMEngine.from_config(model_cfg, engine_cfg, cache_dir, run_dir)
-    raise Eagle3Error(f"engine '{name}' is unknown; use engine=hf, engine=sglang or engine=vllm")
+    if name == "remote":
+        from eagle3.engines.remote.engine import RemoteEngine
+
+        return RemoteEngine.from_config(model_cfg, engine_cfg, cache_dir, run_dir)
+    raise Eagle3Error(f"engine '{name}' is unknown; use engine=hf, engine=sglang, engine=vllm or engine=remote")
