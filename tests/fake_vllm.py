@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import json
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Optional
+
+from loopback_http import QuietHandler
 
 
 def reply(prompt: list[int], max_tokens: int, vocab: int) -> list[int]:
@@ -53,10 +55,7 @@ class FakeVLLM:
     def start(self) -> str:
         fake = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
+        class Handler(QuietHandler):
             def do_GET(self):
                 fake.get(self)
 
@@ -82,15 +81,6 @@ class FakeVLLM:
         return [e[1] for e in self.events if e[0] == "complete" and (stream is None or e[2] == stream)]
 
     # ------------------------------------------------------------------ answers
-    @staticmethod
-    def _send(h: BaseHTTPRequestHandler, code: int, text: str, ctype: str = "application/json") -> None:
-        data = text.encode()
-        h.send_response(code)
-        h.send_header("Content-Type", ctype)
-        h.send_header("Content-Length", str(len(data)))
-        h.end_headers()
-        h.wfile.write(data)
-
     def metrics(self) -> str:
         lines = ['vllm:cache_config_info{block_size="16",cache_dtype="auto",num_gpu_blocks="512"} 1.0']
         if self.speculative:
@@ -109,27 +99,27 @@ class FakeVLLM:
         return {"vllm_config": {"scheduler_config": {"max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": 2048},
                                 "speculative_config": spec, "model_config": {"dtype": "bfloat16", "seed": 0}}}
 
-    def get(self, h: BaseHTTPRequestHandler) -> None:
+    def get(self, h: QuietHandler) -> None:
         if h.path == "/health":
-            return self._send(h, 200, "", "text/plain")
+            return h.send_text("", ctype="text/plain")
         if h.path == "/v1/models":
-            return self._send(h, 200, json.dumps({"object": "list", "data": [
+            return h.send_text(json.dumps({"object": "list", "data": [
                 {"id": "target", "object": "model", "max_model_len": self.max_model_len}]}))
         if h.path == "/metrics":
-            return self._send(h, 200, self.metrics(), "text/plain")
+            return h.send_text(self.metrics(), ctype="text/plain")
         if h.path == "/server_info?config_format=json":
-            return self._send(h, 200, json.dumps(self.server_info()))
-        self._send(h, 404, '{"detail":"Not Found"}')
+            return h.send_text(json.dumps(self.server_info()))
+        h.send_text('{"detail":"Not Found"}', 404)
 
-    def post(self, h: BaseHTTPRequestHandler) -> None:
+    def post(self, h: QuietHandler) -> None:
         n = int(h.headers.get("Content-Length") or 0)
         body = json.loads(h.rfile.read(n)) if n else {}
         if h.path == "/reset_prefix_cache":
             with self.lock:
                 self.events.append(("reset",))
-            return self._send(h, 200, "", "text/plain")
+            return h.send_text("", ctype="text/plain")
         if h.path != "/v1/completions":
-            return self._send(h, 404, '{"detail":"Not Found"}')
+            return h.send_text('{"detail":"Not Found"}', 404)
         prompt = [int(t) for t in body["prompt"]]
         ids = reply(prompt, int(body.get("max_tokens", 16)), self.vocab)
         finish = "length" if len(ids) == int(body.get("max_tokens", 16)) else "stop"
@@ -141,8 +131,8 @@ class FakeVLLM:
                 self.accepted += len(ids) - passes
         usage = {"prompt_tokens": len(prompt), "completion_tokens": len(ids), "total_tokens": len(prompt) + len(ids)}
         if not body.get("stream"):
-            return self._send(h, 200, json.dumps({"choices": [{"index": 0, "text": "", "token_ids": ids,
-                                                               "finish_reason": finish}], "usage": usage}))
+            return h.send_text(json.dumps({"choices": [{"index": 0, "text": "", "token_ids": ids,
+                                                        "finish_reason": finish}], "usage": usage}))
         h.send_response(200)
         h.send_header("Content-Type", "text/event-stream")
         h.end_headers()
