@@ -128,8 +128,13 @@ class VLLMEngineConfig:
     reported; a tested concurrency above it is warned about.
 
     Extraction (``extract.py engine=vllm``, :mod:`eagle3.engines.vllm.engine`) uses one
-    server without a drafter, ``url`` or launched on ``port``, for the replies, and
-    captures their features in process on ``capture_device``; served evaluation refuses ``url``.
+    server without a drafter, ``url`` or launched on ``port``, for the replies; ``capture``
+    picks where their features come from. ``server`` (the default): the same server, through
+    vLLM's ``extract_hidden_states`` method (:mod:`eagle3.engines.vllm.capture`), so the
+    features are the serving numerics themselves, ``concurrency`` requests in flight; a
+    launched server is started as a capture server, one given by ``url`` must already be
+    one. ``hf``: the replies are teacher-forced in this process by the ``hf`` engine on
+    ``capture_device``. Served evaluation refuses ``url``.
     """
 
     name: str = "vllm"
