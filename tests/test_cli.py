@@ -26,7 +26,7 @@ def test_unknown_choices_are_named_and_known_ones_pass():
         "drafter 'nope' is unknown; available drafter configs: eagle3, ttt3")
     assert "model 'x'" in unknown_group_choice(["--multirun", "model=smollm2-135m-bf16,x"], CONF, groups)
     assert unknown_group_choice(["engine=nope"], CONF, groups) == (  # the capture engine of features=online
-        "engine 'nope' is unknown; available engine configs: hf, sglang, vllm")
+        "engine 'nope' is unknown; available engine configs: hf, remote, sglang, vllm")
     assert unknown_group_choice(["features=nope"], CONF, groups) == (
         "features 'nope' is unknown; available features configs: none, offline, online")
     assert unknown_group_choice(["hydra/launcher=nope"], CONF, groups) is None  # not a group of train.yaml: Hydra's
