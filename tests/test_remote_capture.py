@@ -4,8 +4,6 @@ moving through a Mooncake store (hs-connectors' MooncakeHiddenStatesStore over T
 Needs Mooncake's non-CUDA build (``scripts/install-mooncake-cpu.sh``, which .ci/run runs);
 skipped, with the reason, without it."""
 
-import ctypes
-import os
 import socket
 import subprocess
 import sys
@@ -17,30 +15,12 @@ import torch
 
 from eagle3.errors import Eagle3Error
 
-ROOT = Path(__file__).resolve().parents[1]
-LIB_ROOT = ROOT / ".mooncake-libs" / "root"
-PRELOAD = ("libnl-3.so.200", "libnl-route-3.so.200", "libibverbs.so.1")
-
-
-def _lib_dirs() -> list[str]:
-    return sorted({str(p.parent) for name in PRELOAD for p in LIB_ROOT.rglob(name)}) if LIB_ROOT.is_dir() else []
+from mooncake_env import ROOT, child_env, import_mooncake
 
 
 def _import_mooncake():
-    """Import mooncake.store, preloading the unpacked RDMA libraries it links when the system has none."""
     try:
-        import mooncake.store  # noqa: F401
-        return
-    except ImportError as first:
-        dirs = _lib_dirs()
-        if not dirs:
-            pytest.skip(f"Mooncake is not importable ({first}); run scripts/install-mooncake-cpu.sh")
-    for name in PRELOAD:
-        path = next((Path(d) / name for d in dirs if (Path(d) / name).exists()), None)
-        if path is not None:
-            ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
-    try:
-        import mooncake.store  # noqa: F401
+        import_mooncake()
     except ImportError as e:
         pytest.skip(f"Mooncake is not importable ({e}); run scripts/install-mooncake-cpu.sh")
 
@@ -77,14 +57,6 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def _env() -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    dirs = _lib_dirs()
-    if dirs:
-        env["LD_LIBRARY_PATH"] = ":".join(dirs + [env.get("LD_LIBRARY_PATH", "")]).rstrip(":")
-    return env
-
-
 class Node:
     """A Mooncake master and a capture node serving the tiny target, as subprocesses."""
 
@@ -95,7 +67,7 @@ class Node:
         self.master = f"127.0.0.1:{_free_port()}"
         binary = Path(mooncake.__file__).parent / "mooncake_master"
         self.master_log = work / "master.log"
-        self.master_proc = subprocess.Popen([str(binary), f"--port={self.master.split(':')[1]}"], env=_env(),
+        self.master_proc = subprocess.Popen([str(binary), f"--port={self.master.split(':')[1]}"], env=child_env(),
                                             stdout=open(self.master_log, "w"), stderr=subprocess.STDOUT)
         time.sleep(1.0)
         self.port = _free_port()
@@ -108,7 +80,7 @@ class Node:
         cmd = [sys.executable, "-m", "eagle3.engines.remote", "--port", str(self.port), "--master", self.master,
                "--segment-mb", "64", "model=smollm2-135m-bf16", "model.name=tiny", f"model.source={self.target_dir}",
                f"cache_dir={self.work / 'cache'}", "engine.device=cpu", "engine.capture_batch_size=1"]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=open(self.log, "w"), stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=open(self.log, "w"), stderr=subprocess.STDOUT)
         _wait(self.url, self.proc, self.log)
 
     def close(self) -> None:
