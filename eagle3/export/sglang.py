@@ -112,7 +112,8 @@ def sglang_state_dict(drafter: Eagle3Drafter, dtype: torch.dtype) -> dict[str, t
             continue  # SGLang shares the target's table
         if name.startswith("layers.0."):
             name = "midlayer." + name[len("layers.0.") :]
-        t = t.detach().cpu()
+        t = t.detach()
+        t = t if t.is_meta else t.cpu()  # a drafter on the meta device: the names and shapes alone
         out[name] = (t.to(dtype) if t.is_floating_point() else t).contiguous()
         alias = engine_norm_alias(name)
         if alias is not None:
