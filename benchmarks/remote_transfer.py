@@ -16,22 +16,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def produce(a) -> None:
@@ -64,7 +58,7 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     if a.role == "producer":
         return produce(a)
-    from mooncake_env import child_env, import_mooncake  # tests/: the unpacked-library preload
+    from mooncake_env import child_env, import_mooncake, start_master  # tests/: the unpacked-library preload
 
     from eagle3.engines.remote.transfer import fetch, open_store
 
@@ -72,21 +66,21 @@ def main(argv=None) -> None:
         import_mooncake()
     except ImportError as e:
         raise SystemExit(f"Mooncake is not importable: {e}; run scripts/install-mooncake-cpu.sh") from None
-    import mooncake
-
-    master = f"127.0.0.1:{_port()}"
-    mproc = subprocess.Popen([str(Path(mooncake.__file__).parent / "mooncake_master"), f"--port={master.split(':')[1]}"],
-                             env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    time.sleep(1.0)
+    mproc, master = start_master()
+    errors = tempfile.TemporaryFile(mode="w+")
     prod = subprocess.Popen([sys.executable, __file__, "--role", "producer", "--master", master] + (argv or sys.argv[1:]),
-                            env=child_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True)
+                            env=child_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, text=True)
     try:
         store = open_store(master, segment_mb=256, buffer_mb=max(512, a.tokens * a.hidden * 6 >> 20))
         nbytes = a.tokens * (3 * a.hidden * 2 + 20 * 8)
         reads = []
         for r in range(a.rounds):
-            line = json.loads(prod.stdout.readline())
+            raw = prod.stdout.readline()
+            if not raw.startswith("{"):
+                errors.seek(0)
+                tail = [ln for ln in errors.read().splitlines() if not ln[:1] in "IW"][-15:]
+                raise SystemExit(f"the producer failed (exit {prod.poll()}): {raw!r}\n" + "\n".join(tail))
+            line = json.loads(raw)
             t0 = time.perf_counter()
             for m in line["manifests"]:
                 fetch(store, m)

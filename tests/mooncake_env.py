@@ -46,3 +46,53 @@ def child_env() -> dict:
     if dirs:
         env["LD_LIBRARY_PATH"] = ":".join(dirs + [env.get("LD_LIBRARY_PATH", "")]).rstrip(":")
     return env
+
+
+def wait_for_port(port: int, proc=None, timeout_s: float = 30.0, host: str = "127.0.0.1") -> None:
+    """Return once ``host:port`` accepts a TCP connection (a Mooncake master that is up).
+
+    Raises:
+        RuntimeError: ``proc`` (a ``Popen``) ended first, or ``timeout_s`` passed.
+    """
+    import socket
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the process for port {port} ended with {proc.returncode}")
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"nothing listens on {host}:{port} after {timeout_s:.0f} s")
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that nothing listens on now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_master(log=None):
+    """A Mooncake master on free ports of 127.0.0.1 (its RPC port and its metrics port: the
+    default metrics port, 9003, is taken by any other master on the machine).
+
+    Returns:
+        ``(Popen, "127.0.0.1:PORT")`` once the RPC port accepts connections.
+    """
+    import subprocess
+
+    import mooncake
+
+    port = free_port()
+    binary = Path(mooncake.__file__).parent / "mooncake_master"
+    out = open(log, "w") if log is not None else subprocess.DEVNULL
+    proc = subprocess.Popen([str(binary), f"--port={port}", f"--metrics_port={free_port()}"], env=child_env(),
+                            stdout=out, stderr=subprocess.STDOUT)
+    wait_for_port(port, proc)
+    return proc, f"127.0.0.1:{port}"

@@ -4,7 +4,6 @@ moving through a Mooncake store (hs-connectors' MooncakeHiddenStatesStore over T
 Needs Mooncake's non-CUDA build (``scripts/install-mooncake-cpu.sh``, which .ci/run runs);
 skipped, with the reason, without it."""
 
-import socket
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ import torch
 
 from eagle3.errors import Eagle3Error
 
-from mooncake_env import ROOT, child_env, import_mooncake
+from mooncake_env import ROOT, child_env, free_port, import_mooncake, start_master
 
 
 def _import_mooncake():
@@ -25,10 +24,7 @@ def _import_mooncake():
         pytest.skip(f"Mooncake is not importable ({e}); run scripts/install-mooncake-cpu.sh")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_free_port = free_port  # the name other test modules import
 
 
 def _wait(url: str, proc: subprocess.Popen, log: Path, timeout: float = 180.0) -> None:
@@ -61,16 +57,10 @@ class Node:
     """A Mooncake master and a capture node serving the tiny target, as subprocesses."""
 
     def __init__(self, target_dir: Path, work: Path):
-        import mooncake
-
         self.target_dir, self.work = target_dir, work
-        self.master = f"127.0.0.1:{_free_port()}"
-        binary = Path(mooncake.__file__).parent / "mooncake_master"
         self.master_log = work / "master.log"
-        self.master_proc = subprocess.Popen([str(binary), f"--port={self.master.split(':')[1]}"], env=child_env(),
-                                            stdout=open(self.master_log, "w"), stderr=subprocess.STDOUT)
-        time.sleep(1.0)
-        self.port = _free_port()
+        self.master_proc, self.master = start_master(self.master_log)
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = None
         self.start()
