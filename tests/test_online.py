@@ -193,6 +193,18 @@ def test_a_capture_server_that_fails_is_retried_on_the_same_batch(tmp_path, monk
     # the in-process engine is not retried: its error is the run's
     with pytest.raises(Eagle3Error, match="connection refused"):
         train_drafter(cfg(tmp_path / "d"), tgt, E, engine=ToyEngine("hf", fail={2}))
+    # nor is a server's refusal (HTTP 4xx): the same request would be refused again
+    from eagle3.engines.http import RequestRefused
+
+    class Refusing(ToyEngine):
+        def capture(self, seqs, top_k):
+            self.calls.append(seqs)
+            raise RequestRefused("the capture node refused POST /capture with HTTP 400: 'top_k' must be in 1..64")
+
+    refusing = Refusing("vllm")
+    with pytest.raises(RequestRefused, match="HTTP 400"):
+        train_drafter(cfg(tmp_path / "e"), tgt, E, engine=refusing)
+    assert len(refusing.calls) == 1  # tried once, not for features.retry_timeout_s
 
 
 def test_replies_of_another_target_or_template_and_bad_settings_are_refused(tmp_path, tiny_target_dir):

@@ -47,6 +47,11 @@ class HTTPClientError(Exception):
         self.code, self.text = code, text
 
 
+class RequestRefused(Eagle3Error):
+    """A server answered a request with an HTTP 4xx: the request is wrong, so the same request
+    will not succeed later (online training does not retry it)."""
+
+
 class ServerUnavailable(Eagle3Error):
     """A server kept failing after all retries (the request may succeed elsewhere)."""
 
@@ -110,7 +115,7 @@ class JSONHTTPClient:
                 last = e
                 log.debug("retrying %s on %s (attempt %d): %s", what, self.url, attempt + 1, e)
             except HTTPClientError as e:
-                raise Eagle3Error(
+                raise RequestRefused(
                     f"the {self.server_name} server at {self.url} refused {what} with HTTP {e.code}: {e.text}"
                 ) from None
         raise self.unavailable(

@@ -40,6 +40,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
+from eagle3.engines.http import RequestRefused
 from eagle3.errors import Eagle3Error
 from eagle3.train.feature_cache import FeatureCache
 
@@ -180,6 +181,8 @@ class OnlineFeatures:
         while True:
             try:
                 return self.engine.capture(seqs, self.top_k)
+            except RequestRefused:
+                raise  # a 4xx: the same request fails again; the server's sentence says what to change
             except (Eagle3Error, OSError) as e:
                 left = deadline - time.monotonic()
                 if left <= 0:
