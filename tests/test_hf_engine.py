@@ -156,7 +156,7 @@ def test_engine_info_and_errors(engine, tiny_target_dir, tmp_path):
     assert info["name"] == "hf" and info["device"] == "cpu" and info["dtype"] == "bfloat16"
     with pytest.raises(Eagle3Error, match="top_k"):
         engine.capture([[1, 2]], top_k=0)
-    with pytest.raises(Eagle3Error, match="engine 'tgi' is unknown; use engine=hf, engine=sglang or engine=vllm"):
+    with pytest.raises(Eagle3Error, match="engine 'tgi' is unknown; use engine=hf, engine=sglang, engine=vllm or engine=remote"):
         build_engine(ModelConfig(name="t", source=str(tiny_target_dir)), HFEngineConfig(name="tgi"), tmp_path, None)
 
 
