@@ -112,7 +112,7 @@ def test_the_trainer_names_the_setting_to_fix_for_a_missing_or_unreachable_node_
     try:
         assert refused(r"engine.url=http://127.0.0.1:\d+ is not a capture node \(GET /info answered HTTP 501\); pass "
                        "the address of python -m eagle3.engines.remote$",
-                       url=f"http://127.0.0.1:{other.server_address[1]}", master=node.master) < 5
+                       url=f"http://127.0.0.1:{other.server_address[1]}", master=node.master) < 15
     finally:
         other.shutdown()
         other.server_close()
@@ -164,7 +164,9 @@ def test_the_node_refuses_bad_options_before_loading_the_target(node, tiny_targe
 def test_a_malformed_capture_request_is_refused_with_what_to_send(node, data, headers, status, match):
     t0 = time.monotonic()
     code, answer = _post(node.url, data, headers)
-    assert (code, time.monotonic() - t0 < 5) == (status, True) and match in answer["error"], answer
+    # refused before any capture: seconds even on a loaded 2-core CI machine (a capture would still be quick here,
+    # so the bound is loose; the message is the check)
+    assert (code, time.monotonic() - t0 < 30) == (status, True) and match in answer["error"], answer
     assert _post(node.url, _body(request=f"ok-{free_port()}"))[0] == 200  # and the node serves on
 
 
@@ -186,7 +188,7 @@ def test_a_manifest_of_no_object_times_out_within_fetch_timeout_s_and_a_malforme
     t0 = time.monotonic()
     with pytest.raises(Eagle3Error, match=r"capture nobody/0 did not appear .* within engine.fetch_timeout_s=2 s"):
         fetch(trainer.store, {**m, "handle": "nobody/0"}, 2)
-    assert 2 <= time.monotonic() - t0 < 6
+    assert 2 <= time.monotonic() - t0 < 15  # bounded (loose for a loaded CI machine)
     for bad in ({k: v for k, v in m.items() if k != "handle"}, {**m, "tensors": {}}, [], None):
         with pytest.raises(Eagle3Error, match="the capture node answered a malformed transfer manifest"):
             fetch(trainer.store, bad, 2)
@@ -222,7 +224,7 @@ def test_a_node_killed_during_a_capture_costs_a_retry_and_its_unread_captures_ar
             t1 = time.monotonic()
             with pytest.raises(Eagle3Error, match=rf"capture {m['handle']} (could not be read|did not appear)"):
                 fetch(trainer.store, m, 2)
-            assert time.monotonic() - t1 < 4
+            assert time.monotonic() - t1 < 15
     finally:
         node.start()  # the next tests need it
     worker.join(60)
