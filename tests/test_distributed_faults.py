@@ -96,7 +96,8 @@ def test_a_killed_process_ends_the_run_and_the_same_command_resumes_it(faulty):
     out, args = root / "killed", ["loop.save_every=1"]
     r = launch(root / "f", out, 2, 1, extra=args, env={"DIST_FAULT": "kill:1:2"}, timeout=FAULT_LIMIT_S, check=False)
     assert r.returncode != 0 and "Signal 9 (SIGKILL)" in r.stderr
-    assert not list(out.glob("hang-*.txt")) and not (out / "metrics.json").exists()
+    # no hang report written (a survivor ended by the launcher before its own cleanup leaves an empty one)
+    assert not [h for h in out.glob("hang-*.txt") if h.stat().st_size] and not (out / "metrics.json").exists()
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000001", "step-00000002"]
     launch(root / "f", out, 2, 1, extra=args, timeout=FAULT_LIMIT_S)
     assert_same_checkpoint(out / "checkpoints" / "step-00000004", root / "two" / "checkpoints" / "step-00000004")
