@@ -1,8 +1,9 @@
 """Describe the served target: its local folder (built on first use), sizes, aux layers, content hash.
 
 :func:`target_folder` builds what the config asks for (the dense folder of
-:mod:`eagle3.target.source`, then the W4A16 build of :mod:`eagle3.target.quantize`,
-then, for ``w4a16-dequant``, its dense dequantisation);
+:mod:`eagle3.target.source`, or a ``builtin:`` test target of :mod:`eagle3.target.kimi_mini`,
+then the W4A16 build of :mod:`eagle3.target.quantize`, then, for ``w4a16-dequant``, its dense
+dequantisation);
 :func:`resolve_target` reads the sizes from the folder's ``config.json`` (or the config
 fields, for a hub-only target) into a :class:`TargetInfo`. The content hash (sha256
 over the weight files) is cached in ``<folder>.content-hash.json`` next to the folder.
@@ -20,6 +21,7 @@ from typing import Any, Optional
 
 from eagle3.errors import Eagle3Error
 from eagle3.target.build_record import read_build_record
+from eagle3.target.kimi_mini import builtin_folder, is_builtin_source
 from eagle3.target.layers import resolve_aux_layer_ids
 from eagle3.target.quantize import _build_dequant, _build_w4a16
 from eagle3.target.source import (
@@ -148,7 +150,10 @@ def target_folder(model_cfg, cache_dir) -> Optional[Path]:
     built = _built_package_target(model_cfg, q, cache_dir)
     if built is not None:
         return built
-    dense = _dense_folder(model_cfg, cache_dir)
+    if is_builtin_source(model_cfg.source):  # a test target built here (eagle3.target.kimi_mini)
+        dense = builtin_folder(model_cfg, cache_dir)
+    else:
+        dense = _dense_folder(model_cfg, cache_dir)
     if dense is None or q["method"] == "none" or (q["prequantized"] and q["method"] == "w4a16"):
         return dense
     if q["bits"] != 4:

@@ -6,6 +6,9 @@ A target (:class:`eagle3.config.ModelConfig`) is found from its ``source``:
   package. It is dequantised once into an ordinary HF folder
   ``<cache_dir>/<file stem>-<dtype>/`` (weights in ``model.dtype``, tokenizer with its
   chat template, generation config) and reused afterwards.
+* ``builtin:<name>``: a test target built here on first use into
+  ``<cache_dir>/<name>-<dtype>/`` (``builtin:kimi-k25-mini``, a Kimi-K2.5-shaped DeepseekV3:
+  :mod:`eagle3.target.kimi_mini`), through the same atomic build.
 * a local HF folder: used as is.
 * anything else is taken as a hub id (``moonshotai/Kimi-K2.5``). Nothing here touches
   the hub: a hub-only target is described from the config fields alone (it is served
