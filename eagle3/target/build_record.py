@@ -83,7 +83,10 @@ def read_build_record(folder: Optional[str | Path]) -> Optional[dict]:
 
 
 def describe(record: Optional[dict]) -> str:
-    """One line for a build record: ``built 2026-12-03 on an AVX512 CPU (model), GPU H200``."""
+    """One line for a build record: ``built <date> on an AVX512 CPU (model), GPU H200``.
+
+    ``<date>`` is the first 10 characters of the record's ``built_utc`` (the UTC day).
+    """
     if not record:
         return "built where no record was kept"
     gpu = f", GPU {record['gpu']}" if record.get("gpu") else ", no GPU"
