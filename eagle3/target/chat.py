@@ -5,9 +5,10 @@ the conversation is rendered once with the target's chat template; each assistan
 message's content is located in that string (searching from the end of the rendered
 prefix ``messages[:i]`` + generation prompt, which the full rendering starts with for
 any prefix-consistent template); the character span is mapped to tokens through the
-fast tokenizer's offsets; and the end-of-turn marker that the template writes right
-after the content (``<|im_end|>`` for ChatML, ``<|eot_id|>`` for Llama 3, ...) is
-added, because the target generates it too.
+fast tokenizer's offsets (a slow tokenizer, such as Kimi's tiktoken one, gives none:
+they are found by decoding, :func:`_decoded_offsets`); and the end-of-turn marker that
+the template writes right after the content (``<|im_end|>`` for ChatML, ``<|eot_id|>``
+for Llama 3, ...) is added, because the target generates it too.
 
 ``loss_mask[t] = 1`` iff token ``t`` overlaps an assistant message's content or is its
 end-of-turn marker. Training uses ``loss_mask[t+1]`` for the prediction made at ``t``.
@@ -148,6 +149,33 @@ def _token_span(offsets, start: int, end: int) -> tuple[int, int]:
     return i, j
 
 
+def _decoded_offsets(tokenizer, text: str, ids: Sequence[int]) -> list[tuple[int, int]]:
+    """Character offsets ``[(start, end)]`` of ``ids`` in ``text``, found by decoding, for a
+    tokenizer that gives none (a slow one, e.g. Kimi's tiktoken ``tokenization_kimi.py``).
+
+    Tokens are decoded in the shortest runs that reproduce ``text`` at the cursor (a
+    byte-level token may hold part of a character); every token of a run gets the run's
+    span, as a fast tokenizer gives every byte-piece of a character that character's span.
+
+    Raises:
+        Eagle3Error: the decoded tokens do not spell ``text`` (a tokenizer that rewrites text).
+    """
+    out: list[tuple[int, int]] = []
+    pos, run = 0, []
+    for t in ids:
+        run.append(int(t))
+        piece = tokenizer.decode(run, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if text.startswith(piece, pos):
+            out += [(pos, pos + len(piece))] * len(run)
+            pos, run = pos + len(piece), []
+        elif len(run) > 8:  # longer than any UTF-8 character split into byte tokens
+            break
+    if run or pos != len(text):
+        raise Eagle3Error("the target's tokenizer gives no character offsets and its decoded tokens do not spell the "
+                          "rendered conversation; use a fast (tokenizers) tokenizer with model.tokenizer=<folder>")
+    return out
+
+
 def render_conversation(tokenizer, messages: Sequence[dict]) -> tuple[list[int], list[int]]:
     """Render a whole conversation: ``(input_ids, loss_mask)``, both length T.
 
@@ -156,19 +184,17 @@ def render_conversation(tokenizer, messages: Sequence[dict]) -> tuple[list[int],
     0 elsewhere (system, user, role headers, generation prompts, separators).
 
     Raises:
-        Eagle3Error: an invalid conversation (:func:`validate_messages`), a tokenizer
-            without offsets (needs a fast tokenizer), an assistant content the
-            template does not reproduce verbatim, or a degenerate mask (all 0 with an
-            assistant turn, or all 1).
+        Eagle3Error: an invalid conversation (:func:`validate_messages`), a slow
+            tokenizer whose decoded tokens do not spell the rendering, an
+            assistant content the template does not reproduce verbatim, or a
+            degenerate mask (all 0 with an assistant turn, or all 1).
     """
     validate_messages(messages)
     text = _render(tokenizer, messages, False)
     enc = _encode(tokenizer, text, offsets=True)
     ids = list(enc["input_ids"])
     offsets = enc.get("offset_mapping")
-    if offsets is None:
-        raise Eagle3Error("the target's tokenizer gives no character offsets; a fast (tokenizers) tokenizer is needed")
-    offsets = [tuple(o) for o in offsets]
+    offsets = [tuple(o) for o in offsets] if offsets is not None else _decoded_offsets(tokenizer, text, ids)
     mask = [0] * len(ids)
     eot = set(end_of_turn_ids(tokenizer))
     cursor = 0
