@@ -350,7 +350,10 @@ class EvaluateConfig:
     workers: int = 1
     worker: Optional[int] = None  # set by the orchestrator
     devices: list[str] = field(default_factory=list)
-    drafter_dir: str = "data/drafters/${model.name}/sharegpt/export/sglang"
+    # a training run's folder (train.py's output_dir): each engine reads its export under it
+    # (export/sglang for hf and sglang, export/vllm for vllm; eagle3.export.locate.export_dir);
+    # an export folder itself works too
+    drafter_dir: str = "data/drafters/${model.name}/sharegpt"
     # the drafter's training features folder(s), comma-separated, instead of the paths its export
     # records (an export copied from another machine; only each folder's manifest.json is read):
     # held-out prompts are checked against training and aux ids against extraction

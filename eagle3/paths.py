@@ -2,8 +2,8 @@
 
 The defaults live once, in the typed schema (:mod:`eagle3.config`), as interpolations:
 ``extract`` writes ``data/features/<model>/<data>``, ``train`` reads that and writes
-``data/drafters/<model>/<data>``, ``evaluate`` reads
-``data/drafters/<model>/sharegpt/export/sglang`` and writes ``data/eval/<model>``.
+``data/drafters/<model>/<data>``, ``evaluate`` reads the export its engine serves under
+``data/drafters/<model>/sharegpt`` (:func:`eagle3.export.export_dir`) and writes ``data/eval/<model>``.
 Each stage's YAML sets ``hydra.run.dir: ${output_dir}`` and
 ``hydra.sweep.dir: ${output_dir}``, so Hydra's ``.hydra/config.yaml`` and log sit beside
 the artifacts they produced, and a multirun puts job ``n`` in ``<output_dir>/<n>``.

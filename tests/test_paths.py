@@ -29,7 +29,7 @@ def _compose(stage: str, overrides: list[str]):
         ("train", ["data=gsm8k"], {"features_dir": "data/features/smollm2-135m-int4/gsm8k",
                                    "output_dir": "data/drafters/smollm2-135m-int4/gsm8k"}),
         ("evaluate", ["model=smollm2-135m-bf16"], {"output_dir": "data/eval/smollm2-135m-bf16",
-                                                   "drafter_dir": "data/drafters/smollm2-135m-bf16/sharegpt/export/sglang"}),
+                                                   "drafter_dir": "data/drafters/smollm2-135m-bf16/sharegpt"}),
     ],
 )
 def test_defaults_follow_model_and_data(stage, overrides, expected):

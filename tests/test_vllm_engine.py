@@ -508,14 +508,14 @@ def test_max_num_seqs_from_a_recorded_launch_log_line(tmp_path):
 
 
 def test_the_default_sglang_drafter_dir_resolves_to_the_vllm_export_beside_it(tmp_path, exports):
-    from eagle3.evaluate.served_vllm import vllm_export_dir
+    from eagle3.export import export_dir
 
     sg, vl = exports
-    assert vllm_export_dir(sg) == vl  # both written by one training run
+    assert export_dir(sg, "vllm") == vl  # both written by one training run
     lone = tmp_path / "run" / "export" / "sglang"
     lone.mkdir(parents=True)
-    assert vllm_export_dir(lone) == lone  # no vLLM export beside it: given as is, refused later with the fix
-    assert vllm_export_dir(vl) == vl
+    assert export_dir(lone, "vllm") == lone  # no vLLM export beside it: given as is, refused later with the fix
+    assert export_dir(vl, "vllm") == vl
 
 
 # ------------------------------------------------------------ CPU instruction-set preflight

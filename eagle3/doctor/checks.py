@@ -141,7 +141,7 @@ def check_schema(export_dir: Path, info) -> tuple[list[dict], ExportFiles]:
     implies, the sizes matching the target (vocabulary, hidden size), ``tie_word_embeddings``.
 
     Args:
-        export_dir: ``drafter_dir``.
+        export_dir: the export folder (:func:`eagle3.export.export_dir` of ``drafter_dir``).
         info: the served target's :class:`eagle3.target.TargetInfo`, or None when it could not
             be resolved (the target-fit part is skipped).
 

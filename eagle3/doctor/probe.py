@@ -105,12 +105,13 @@ def summarize(accept_counts: list[int], emitted: int, draft_vocab_size: int, num
             "at_chance": bool(first is not None and first <= bound)}
 
 
-def probe_in_process(cfg, aux_ids: list[int]) -> dict:
+def probe_in_process(cfg, export_dir: Path, aux_ids: list[int]) -> dict:
     """Greedy speculative decoding of the built-in prompts with the export, in this process.
 
     Args:
         cfg: the ``EvaluateConfig`` (``model``, ``engine.device``, ``speculative``,
-            ``doctor.probe_prompts``, ``doctor.probe_max_new_tokens``, ``drafter_dir``).
+            ``doctor.probe_prompts``, ``doctor.probe_max_new_tokens``).
+        export_dir: the export folder checked (:func:`eagle3.export.export_dir` of ``drafter_dir``).
         aux_ids: HF layer ids whose states feed the drafter (what the serving engine captures).
 
     Returns:
@@ -129,7 +130,7 @@ def probe_in_process(cfg, aux_ids: list[int]) -> dict:
     device = resolve_device(cfg.engine.device)
     model, tokenizer, _ = load_target(cfg.model, cfg.cache_dir, device=str(device),
                                       attn_implementation=getattr(cfg.engine, "attn_implementation", "sdpa"))
-    drafter = _load_drafter(cfg.drafter_dir, model.get_input_embeddings().weight, device)
+    drafter = _load_drafter(export_dir, model.get_input_embeddings().weight, device)
     runner = TargetRunner(model, list(aux_ids))
     decoder = SpeculativeDecoder(runner, Eagle3Proposer(drafter, list(aux_ids)), settings, end_of_turn_ids(tokenizer))
     counts, emitted, t0 = [], 0, time.perf_counter()
@@ -221,9 +222,10 @@ def verdict_row(result: dict, rows: list[dict], threshold: float, name: str = NA
     return row(name, "fail", "accepts nothing: " + what, fix)
 
 
-def probe_rows(cfg, rows: list[dict], aux_ids: Optional[list[int]], tokenizer, draft_vocab_size: Optional[int]
-               ) -> tuple[list[dict], dict]:
-    """The probe rows (in process; also served when ``engine=sglang`` has ``speculative_url``).
+def probe_rows(cfg, export_dir: Path, rows: list[dict], aux_ids: Optional[list[int]], tokenizer,
+               draft_vocab_size: Optional[int]) -> tuple[list[dict], dict]:
+    """The probe rows (in process with the export at ``export_dir``; also served when
+    ``engine=sglang`` has ``speculative_url``).
 
     Returns:
         ``(rows, results)``; a probe that cannot run is a ``skip`` (a broken export) or a
@@ -235,7 +237,7 @@ def probe_rows(cfg, rows: list[dict], aux_ids: Optional[list[int]], tokenizer, d
         out.append(row(NAME, "skip", "the export cannot be loaded (see the failed rows above)"))
     elif getattr(cfg.engine, "name", "hf") == "hf":
         try:
-            results["in_process"] = probe_in_process(cfg, aux_ids)
+            results["in_process"] = probe_in_process(cfg, export_dir, aux_ids)
             out.append(verdict_row(results["in_process"], rows, threshold))
         except Eagle3Error as e:
             what, fix = split_fix(str(e))

@@ -1,8 +1,10 @@
 """``python evaluate.py mode=doctor``: the doctor's checklist, probe and exit code.
 
-:func:`run_doctor` resolves the served target (``model=``), then checks the export at
-``drafter_dir`` row by row (:mod:`eagle3.doctor.checks`: schema, ``tie_word_embeddings``,
-``d2t``; :mod:`eagle3.doctor.aux`: the aux layer ids under the serving engine's rule;
+:func:`run_doctor` resolves the served target (``model=``), then checks the export of
+``drafter_dir`` for the serving engine (:func:`eagle3.export.export_dir`: a training run's
+folder gives its ``export/sglang`` or ``export/vllm``; an export folder is checked as given)
+row by row (:mod:`eagle3.doctor.checks`: schema, ``tie_word_embeddings``, ``d2t``;
+:mod:`eagle3.doctor.aux`: the aux layer ids under the serving engine's rule;
 :mod:`eagle3.doctor.provenance`: chat template, target build and quantization, compute
 dtype), runs the acceptance probe when ``doctor.probe`` (:mod:`eagle3.doctor.probe`),
 prints the table, writes ``<output_dir>/doctor.json`` and exits 1 when a row failed.
@@ -10,7 +12,6 @@ prints the table, writes ``<output_dir>/doctor.json`` and exits 1 when a row fai
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Optional
 
 from eagle3.doctor.aux import check_aux, serving_engine
@@ -62,14 +63,18 @@ def diagnose(cfg) -> tuple[list[dict], dict]:
         ``(rows, doc)``: ``doc`` is what ``doctor.json`` holds.
 
     Raises:
-        Eagle3Error: ``doctor.serving_engine`` (or ``engine.name``) has no aux-id convention.
+        Eagle3Error: ``doctor.serving_engine`` (or ``engine.name``) has no aux-id convention, or
+            ``drafter_dir`` is neither a training run's folder nor an export folder
+            (:func:`eagle3.export.export_dir`).
     """
     from eagle3.evaluate.provenance import load_train_manifest
+    from eagle3.export import export_dir
 
     engine = serving_engine(cfg)
+    drafter_dir = export_dir(cfg.drafter_dir, engine)  # the export the serving engine would read
     target_row, info, tokenizer, template_hash = _target(cfg)
     rows = [target_row]
-    schema, files = check_schema(Path(cfg.drafter_dir), info)
+    schema, files = check_schema(drafter_dir, info)
     rows += schema
     rows.append(check_d2t(files))
     if all(r["status"] != "fail" for r in rows[1:]):
@@ -83,9 +88,9 @@ def diagnose(cfg) -> tuple[list[dict], dict]:
     if cfg.doctor.probe:
         aux = _probe_aux_ids(files, rows, engine, architecture, num_layers)
         vd = files.arch.draft_vocab_size if files.arch is not None else None
-        probe, results = probe_rows(cfg, rows, aux, tokenizer, vd)
+        probe, results = probe_rows(cfg, drafter_dir, rows, aux, tokenizer, vd)
         rows += probe
-    doc = {"drafter_dir": str(cfg.drafter_dir), "target": cfg.model.name, "engine": getattr(cfg.engine, "name", "hf"),
+    doc = {"drafter_dir": str(drafter_dir), "target": cfg.model.name, "engine": getattr(cfg.engine, "name", "hf"),
            "serving_engine": engine, "ok": exit_code(rows) == 0, "rows": rows, "probe": results, "notes": notes}
     return rows, doc
 
@@ -109,7 +114,7 @@ def run_doctor(cfg) -> dict:
     context = [f"target: model={cfg.model.name}",
                f"serving engine: {doc['serving_engine']} (its aux-id rule is checked; engine={doc['engine']})",
                f"report: {path}"]
-    print(format_table(rows, f"eagle3 doctor: {cfg.drafter_dir}", context), flush=True)
+    print(format_table(rows, f"eagle3 doctor: {doc['drafter_dir']}", context), flush=True)
     if exit_code(rows):
         raise SystemExit(1)
     return doc

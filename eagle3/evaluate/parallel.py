@@ -74,15 +74,15 @@ def run_evaluate_parallel(cfg, settings: SpecSettings) -> dict:
 
 
 def _worker_configs(cfg, devices: list[str], output_dir: Path) -> list:
-    """One copy of ``cfg`` per worker: ``worker`` and its device set, its own output folder."""
+    """One copy of ``cfg`` per worker: ``worker`` and its device set, its own output folder
+    (``drafter_dir`` as given: each worker resolves it to the same export folder,
+    :func:`eagle3.export.export_dir`)."""
     n = int(cfg.workers)
-    drafter_dir = Path(cfg.drafter_dir)
     cfgs = []
     for w, dev in enumerate(devices):
         c = copy.deepcopy(cfg)
         c.worker, c.engine.device = w, dev
         c.output_dir = str(output_dir / WORKERS_DIR / f"{w}-of-{n}")
-        c.drafter_dir = str(drafter_dir)
         cfgs.append(c)
     return cfgs
 

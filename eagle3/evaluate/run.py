@@ -2,8 +2,9 @@
 
 ``run_evaluate(cfg)``:
 
-1. Checks the drafter export's files before any work (``drafter_dir``, default
-   ``data/drafters/<model>/sharegpt/export/sglang``;
+1. Checks the drafter export's files before any work (``drafter_dir``, a training run's
+   folder, default ``data/drafters/<model>/sharegpt``, whose ``export/sglang`` the hf and
+   sglang engines read, or an export folder: :func:`eagle3.export.export_dir`;
    :func:`eagle3.evaluate.provenance.read_export`: JSON, sizes, tensor shapes, ``d2t``
    offsets), checks that its aux layer ids agree between ``config.json``,
    ``eagle3_meta.json`` and the training features
@@ -95,7 +96,10 @@ def run_evaluate(cfg) -> dict:
         from eagle3.evaluate.served_vllm import run_vllm_stage  # its own export (export/vllm), its own server
 
         return run_vllm_stage(cfg, settings, warnings)
-    export = read_export(Path(cfg.drafter_dir))  # a damaged export stops here, before any work
+    from eagle3.export import export_dir
+
+    drafter_dir = export_dir(cfg.drafter_dir, engine)  # <run>/export/sglang (hf, sglang)
+    export = read_export(drafter_dir)  # a damaged export stops here, before any work
     meta = export.meta
     manifest, w = load_train_manifest(meta, getattr(cfg, "train_features_dir", None))
     warnings += w + check_aux_ids(export, manifest, cfg.model.architecture)
@@ -105,18 +109,19 @@ def run_evaluate(cfg) -> dict:
     output_dir = stage_output_dir(cfg)
     output_dir.mkdir(parents=True, exist_ok=True)
     if engine == "sglang":
-        results = _evaluate_served(cfg, meta, names, manifest, output_dir, warnings)
+        results = _evaluate_served(cfg, drafter_dir, meta, names, manifest, output_dir, warnings)
     elif engine == "hf":
-        results = _evaluate_in_process(cfg, settings, meta, names, manifest, output_dir, warnings)
+        results = _evaluate_in_process(cfg, settings, drafter_dir, meta, names, manifest, output_dir, warnings)
     else:
         raise Eagle3Error(f"engine '{engine}' cannot evaluate; use engine=hf, engine=sglang or engine=vllm")
     write_report(output_dir, results)
     return results
 
 
-def _evaluate_served(cfg, meta: dict, names: list[str], manifest: Optional[dict], output_dir: Path,
-                     warnings: list[str]) -> dict:
-    """``engine=sglang``: check the export against the target, then measure the servers."""
+def _evaluate_served(cfg, drafter_dir: Path, meta: dict, names: list[str], manifest: Optional[dict],
+                     output_dir: Path, warnings: list[str]) -> dict:
+    """``engine=sglang``: check the export (at ``drafter_dir``, the resolved export folder)
+    against the target, then measure the servers."""
     from eagle3.target import chat_template_hash
     from eagle3.target import load_tokenizer, resolve_target
 
@@ -130,7 +135,7 @@ def _evaluate_served(cfg, meta: dict, names: list[str], manifest: Optional[dict]
 
     results = run_sglang_evaluation(cfg, benchmarks, meta, output_dir)
     results["warnings"] = warnings + list(results.get("warnings") or [])
-    results.setdefault("settings", {}).update(drafter_dir=str(Path(cfg.drafter_dir)), target=cfg.model.name,
+    results.setdefault("settings", {}).update(drafter_dir=str(drafter_dir), target=cfg.model.name,
                                               trained_on_left_out=left_out, **prompt_settings(cfg.data))
     return results
 
@@ -147,11 +152,12 @@ class _Loaded:
     aux: list[int]
 
 
-def _load_in_process(cfg, meta: dict, manifest: Optional[dict], warnings: list[str]) -> _Loaded:
+def _load_in_process(cfg, drafter_dir: Path, meta: dict, manifest: Optional[dict], warnings: list[str]) -> _Loaded:
     """Load the target and the export; append provenance warnings to ``warnings``.
 
     Args:
         cfg: the ``EvaluateConfig``.
+        drafter_dir: the SGLang export folder (:func:`eagle3.export.export_dir` of ``cfg.drafter_dir``).
         meta: the export's ``eagle3_meta.json`` (:func:`read_export_meta`).
         manifest: the training manifest (:func:`load_train_manifest`), or None.
         warnings: the stage's warnings so far (extended in place).
@@ -164,7 +170,6 @@ def _load_in_process(cfg, meta: dict, manifest: Optional[dict], warnings: list[s
     from eagle3.export import load_sglang_export
     from eagle3.target import chat_template_hash, load_target
 
-    drafter_dir = Path(cfg.drafter_dir)
     device = resolve_device(cfg.engine.device)
     model, tokenizer, info = load_target(cfg.model, cfg.cache_dir, device=str(device),
                                          attn_implementation=cfg.engine.attn_implementation)
@@ -203,16 +208,17 @@ def decode_cache(engine_cfg) -> Optional[bool]:
     return None if v == "auto" else v == "static"
 
 
-def _evaluate_in_process(cfg, settings: SpecSettings, meta: dict, names: list[str], manifest: Optional[dict],
-                         output_dir: Path, warnings: list[str]) -> dict:
+def _evaluate_in_process(cfg, settings: SpecSettings, drafter_dir: Path, meta: dict, names: list[str],
+                         manifest: Optional[dict], output_dir: Path, warnings: list[str]) -> dict:
     """``engine=hf``: both decodings of every prompt here (one worker's share when
-    ``cfg.worker`` is set), resuming finished benchmarks; writes ``samples.jsonl``."""
+    ``cfg.worker`` is set) with the export at ``drafter_dir``, resuming finished benchmarks;
+    writes ``samples.jsonl``."""
     from eagle3.target import end_of_turn_ids, render_prompt
 
     warnings = list(warnings)
     left_out: dict = {}
     benchmarks = load_benchmarks(cfg, names, manifest, left_out)  # a bad prompt file stops here, before the load
-    t = _load_in_process(cfg, meta, manifest, warnings)
+    t = _load_in_process(cfg, drafter_dir, meta, manifest, warnings)
     for x in warnings:
         log.warning(x)
     if cfg.worker is not None:  # one worker of run_evaluate_parallel: every workers-th prompt
@@ -235,7 +241,7 @@ def _evaluate_in_process(cfg, settings: SpecSettings, meta: dict, names: list[st
         return t.tokenizer.decode(ids, skip_special_tokens=True)
 
     keys = benchmark_keys(cfg, settings, t.info.content_hash, str(t.model.dtype), t.device.type,
-                          Path(cfg.drafter_dir), benchmarks)
+                          drafter_dir, benchmarks)
     done = load_finished(output_dir, keys)
     per_bench, records, w = evaluate_hf(
         {n: ds for n, ds in benchmarks.items()}, decoder, render, decode, settings,
@@ -254,7 +260,7 @@ def _evaluate_in_process(cfg, settings: SpecSettings, meta: dict, names: list[st
                         "num_draft_tokens": settings.num_draft_tokens},
         "sampling": {"temperature": settings.temperature, "top_p": settings.top_p,
                      "max_new_tokens": settings.max_new_tokens},
-        "settings": {**_in_process_settings(cfg, t, sorted(done)), "decoding": decoding_path(decoder),
+        "settings": {**_in_process_settings(cfg, t, sorted(done), drafter_dir), "decoding": decoding_path(decoder),
                      "trained_on_left_out": left_out},
         "warnings": warnings,
     }
@@ -277,12 +283,13 @@ def decoding_path(decoder) -> str:
     return ("static KV caches + CUDA graphs" if decoder.runner.cuda_graphs else "static KV caches") + tail
 
 
-def _in_process_settings(cfg, t: _Loaded, resumed: list[str]) -> dict:
-    """The report's ``settings`` of an in-process run (what was measured, and how)."""
+def _in_process_settings(cfg, t: _Loaded, resumed: list[str], drafter_dir: Path) -> dict:
+    """The report's ``settings`` of an in-process run (what was measured, and how;
+    ``drafter_dir``: the export folder read)."""
     return {
         "target": t.info.name, "target_content_hash": t.info.content_hash, "quantization": t.info.quantization,
         "dtype": str(next(t.model.parameters()).dtype).replace("torch.", ""), "device": str(t.device),
-        "attn_implementation": cfg.engine.attn_implementation, "drafter_dir": str(Path(cfg.drafter_dir)),
+        "attn_implementation": cfg.engine.attn_implementation, "drafter_dir": str(drafter_dir),
         "drafter_dtype": str(t.drafter.fc.weight.dtype).replace("torch.", ""),
         "aux_layer_ids": list(t.aux), "draft_vocab_size": t.drafter.arch.draft_vocab_size,
         "limit": cfg.data.limit, "warmup_prompts": cfg.warmup_prompts, "seed": cfg.seed,

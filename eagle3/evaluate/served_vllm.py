@@ -2,7 +2,8 @@
 
 :func:`run_vllm_stage` (called by :func:`eagle3.evaluate.run.run_evaluate`):
 
-1. reads and checks the export as vLLM will serve it (:func:`eagle3.export.read_vllm_export`:
+1. reads and checks the export as vLLM will serve it (``<drafter_dir>/export/vllm``, or the
+   export folder given: :func:`eagle3.export.export_dir`; :func:`eagle3.export.read_vllm_export`:
    files, ``d2t``, aux ids in vLLM's convention; an SGLang export is refused with the
    ``export/vllm`` folder to use), its aux ids against the training features, its
    provenance against the configured target (content hash, quantization, chat template)
@@ -29,8 +30,9 @@ log = logging.getLogger("eagle3")
 REQUESTS_NAME = "vllm_requests.jsonl"
 
 
-def read_checked_export(cfg: Any, warnings: list[str]):
-    """The export as vLLM serves it, its features and provenance checked; returns
+def read_checked_export(cfg: Any, drafter_dir: Path, warnings: list[str]):
+    """The export at ``drafter_dir`` (the vLLM export folder, :func:`eagle3.export.export_dir`)
+    as vLLM serves it, its features and provenance checked; returns
     ``(export, training manifest or None, target info, tokenizer)`` and extends ``warnings``.
 
     Raises:
@@ -41,7 +43,7 @@ def read_checked_export(cfg: Any, warnings: list[str]):
     from eagle3.export import read_vllm_export
     from eagle3.target import chat_template_hash, load_tokenizer, resolve_target
 
-    d = Path(cfg.drafter_dir)
+    d = Path(drafter_dir)
     if not (d / "config.json").is_file():
         raise Eagle3Error(f"no drafter export at {d} (config.json missing); run train.py first or set "
                           "drafter_dir=<train output_dir>/export/vllm")
@@ -67,18 +69,6 @@ def check_feature_aux_ids(export, manifest: Optional[dict], architecture: str) -
     return check_aux_ids(export, manifest, architecture)
 
 
-def vllm_export_dir(drafter_dir: str | Path) -> Path:
-    """``<run>/export/sglang`` (evaluate's default ``drafter_dir``) -> ``<run>/export/vllm``
-    when that folder exists: every training run writes both, and vLLM must be given its own
-    (an SGLang export would feed it the layers below the trained ones). Any other folder is
-    returned as given (and checked by :func:`read_checked_export`)."""
-    d = Path(drafter_dir)
-    if d.name == "sglang" and d.parent.name == "export" and (d.parent / "vllm" / "config.json").is_file():
-        log.info("engine=vllm serves %s, the vLLM export beside %s", d.parent / "vllm", d)
-        return d.parent / "vllm"
-    return d
-
-
 def run_vllm_stage(cfg: Any, settings, warnings: list[str]) -> dict:
     """``engine=vllm`` from the export to the report (module docstring); returns the results.
 
@@ -88,11 +78,13 @@ def run_vllm_stage(cfg: Any, settings, warnings: list[str]) -> dict:
         warnings: the stage's warnings so far.
 
     Raises:
-        Eagle3Error: as :func:`read_checked_export`, :func:`open_servers`, :func:`check_servers`,
-            a bad ``concurrency`` list, benchmark problems, or a request that keeps failing.
+        Eagle3Error: as :func:`eagle3.export.export_dir`, :func:`read_checked_export`, :func:`open_servers`,
+            :func:`check_servers`, a bad ``concurrency`` list, benchmark problems, or a request that
+            keeps failing.
     """
     from eagle3.evaluate.benchmarks import benchmark_names, load_benchmarks, prompt_settings
     from eagle3.evaluate.report import write_report
+    from eagle3.export import export_dir
     from eagle3.paths import stage_output_dir
 
     warnings = list(warnings)
@@ -105,8 +97,7 @@ def run_vllm_stage(cfg: Any, settings, warnings: list[str]) -> dict:
         raise Eagle3Error(f"concurrency {list(cfg.concurrency)} must list positive request counts, e.g. [1, 4, 16]")
     if int(settings.topk) != 1:
         warnings.append(f"vLLM's EAGLE-3 proposes a chain (topk 1); speculative.topk={settings.topk} is not used")
-    cfg.drafter_dir = str(vllm_export_dir(cfg.drafter_dir))
-    export, manifest, info, tokenizer = read_checked_export(cfg, warnings)
+    export, manifest, info, tokenizer = read_checked_export(cfg, export_dir(cfg.drafter_dir, "vllm"), warnings)
     names = benchmark_names(cfg.data)
     left_out: dict = {}
     benchmarks = load_benchmarks(cfg, names, manifest, left_out)
@@ -180,16 +171,17 @@ def evaluate_servers(cfg: Any, settings, export, info, tokenizer, benchmarks: di
     finally:
         for s in opened.values():
             s.stop()
-    results = assemble(cfg, settings, pairs, sweep, desc, concurrency, warnings, diagnosis)
+    results = assemble(cfg, settings, pairs, sweep, desc, concurrency, warnings, export.dir, diagnosis)
     plot_throughput(results, output_dir / PLOT_NAME)
     write_request_log(pairs, sweep, output_dir / REQUESTS_NAME)
     return results
 
 
 def assemble(cfg: Any, settings, pairs: dict, sweep: dict, desc: dict, concurrency: list[int],
-             warnings: list[str], diagnosis: Optional[dict] = None) -> dict:
+             warnings: list[str], drafter_dir: Path, diagnosis: Optional[dict] = None) -> dict:
     """The results dict from the measures (the report's shape, ``engine: vllm``); ``diagnosis``:
-    the near-tie test of the greedy mismatches (:func:`eagle3.evaluate.served_vllm_measure.diagnose_mismatches`)."""
+    the near-tie test of the greedy mismatches (:func:`eagle3.evaluate.served_vllm_measure.diagnose_mismatches`);
+    ``drafter_dir``: the export folder served, recorded in ``settings``."""
     from eagle3.evaluate.served_vllm_results import (benchmark_verdict, benchmark_warnings, concurrency_table,
                                                      pair_summary)
 
@@ -215,7 +207,7 @@ def assemble(cfg: Any, settings, pairs: dict, sweep: dict, desc: dict, concurren
         "servers": desc,
         "speculative": {"num_steps": depth, "topk": 1, "num_draft_tokens": depth + 1},
         "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens},
-        "settings": {"drafter_dir": str(Path(cfg.drafter_dir)), "target": cfg.model.name,
+        "settings": {"drafter_dir": str(drafter_dir), "target": cfg.model.name,
                      "dtype": cfg.model.dtype, "seed": int(cfg.seed), "limit": cfg.data.limit,
                      "warmup_prompts": int(cfg.warmup_prompts), "tau": "1 + accepted / drafts (vLLM counters)",
                      "max_num_seqs": spec_eff.get("max_num_seqs"),

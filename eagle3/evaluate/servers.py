@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from eagle3.engines import sglang as sg
 from eagle3.errors import Eagle3Error
-from eagle3.export import read_json_object
+from eagle3.export import export_dir, read_json_object
 
 #: the two servers, measured in this order
 ROLES = ("baseline", "speculative")
@@ -122,7 +122,7 @@ def _launch(role: str, cfg: Any, run_dir: Path) -> Server:
         )
     spec = None
     if role == "speculative":
-        d = Path(cfg.drafter_dir)
+        d = export_dir(cfg.drafter_dir, "sglang")
         if not (d / "config.json").is_file():
             raise Eagle3Error(f"no SGLang drafter export at {d}; train one first or set drafter_dir=<export/sglang folder>")
         spec = {"draft_model_path": str(d.resolve()), "num_steps": cfg.speculative.num_steps,

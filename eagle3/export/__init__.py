@@ -25,6 +25,10 @@ from eagle3.export.validate import (  # noqa: F401
     read_json_object,
     read_sglang_export,
 )
+from eagle3.export.locate import (  # noqa: F401
+    ENGINE_EXPORTS,
+    export_dir,
+)
 from eagle3.export.vllm import (  # noqa: F401
     export_vllm,
     read_vllm_export,
