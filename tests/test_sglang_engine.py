@@ -453,6 +453,18 @@ def test_cli_prints_the_capture_command_with_a_bootstrap_drafter(tmp_path, capsy
     assert f"--speculative-draft-model-path {Path(boot).resolve()}" in line and "--port 31000" in line
 
 
+def test_cli_speculative_serves_the_sglang_export_of_a_training_run(tmp_path, capsys):
+    """``speculative drafter_dir=<run>``: the command serves ``<run>/export/sglang``, not the run folder."""
+    run = tmp_path / "run"
+    (run / "export" / "sglang").mkdir(parents=True)
+    (run / "export" / "vllm").mkdir()
+    rc = sg.main(["speculative", "model=kimi-k25-int4", f"drafter_dir={run}", f"cache_dir={tmp_path}",
+                  "engine.port=31002", f"engine.python={sys.executable}"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert f"--speculative-draft-model-path {(run / 'export' / 'sglang').resolve()} " in out.out
+
+
 def test_package_runs_as_the_cli(tmp_path):
     """``python -m eagle3.engines.sglang baseline ...`` prints the command (from any folder)."""
     import os

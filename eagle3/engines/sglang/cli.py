@@ -54,7 +54,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"# bootstrap drafter: {boot}", file=sys.stderr)
             spec = dict(CAPTURE_SPEC, draft_model_path=str(boot.resolve()))
         elif mode == "speculative":
-            spec = {"draft_model_path": str(Path(cfg.drafter_dir).resolve()), "num_steps": cfg.speculative.num_steps,
+            from eagle3.export import export_dir
+
+            spec = {"draft_model_path": str(export_dir(cfg.drafter_dir, "sglang").resolve()),
+                    "num_steps": cfg.speculative.num_steps,
                     "topk": cfg.speculative.topk, "num_draft_tokens": cfg.speculative.num_draft_tokens}
         env = server_env(cfg.engine)
         flags = probe_server_flags(cfg.engine.python, env=env) if sglang_available(cfg.engine.python, env) else None
