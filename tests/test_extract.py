@@ -514,7 +514,7 @@ def test_an_empty_prompt_file_is_named_not_blamed_on_the_splits(tiny_target_dir,
     with pytest.raises(Eagle3Error) as e:
         run_extract(cfg)
     assert str(e.value) == (f"{sg} holds no usable conversation: none of its 4 records qualifies (4 have no human "
-                            "turn before the first gpt turn); start each conversation with a human turn")
+                            "turn); give each conversation a human turn")
     # prompts that all fall outside data.splits: the splits are to blame, and the message counts them
     data = _write_jsonl(tmp_path / "chats.jsonl", CHATS[:3])
     cfg = _cfg(tiny_target_dir, tmp_path, data, out)

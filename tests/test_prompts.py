@@ -34,16 +34,33 @@ def test_truncated_sharegpt_file_is_parsed_record_by_record(tmp_path):
     stats = {}
     ds = load_conversations(DataConfig(name="x", source="sharegpt_json", path=str(p)), stats)
     assert stats["records"] == 6 and stats["incomplete_records"] == 1
-    assert stats["dropped_no_leading_user"] == 1 and stats["dropped_empty"] == 1 and stats["dropped_unknown_role"] == 1
-    assert ds["id"] == ["sharegpt-a", "sharegpt-d", "sharegpt-a#1"]
+    assert stats["started_at_first_user"] == 1 and stats["dropped_empty"] == 1 and stats["dropped_unknown_role"] == 1
+    assert "dropped_no_user" not in stats
+    assert ds["id"] == ["sharegpt-a", "sharegpt-b", "sharegpt-d", "sharegpt-a#1"]
     assert ds[0]["messages"] == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    assert ds[1]["messages"] == [{"role": "user", "content": "x"}]  # its opening gpt turn left out
     # roles mapped, consecutive human turns merged, system kept
-    assert ds[1]["messages"] == [
+    assert ds[2]["messages"] == [
         {"role": "system", "content": "sys"},
         {"role": "user", "content": "q1\n\nq2"},
         {"role": "assistant", "content": "ans"},
     ]
     assert set(ds["split"]) <= {"train", "validation", "test"}
+
+
+def test_a_conversation_opening_with_gpt_turns_starts_at_its_first_human_turn(tmp_path):
+    p = tmp_path / "sg.json"
+    p.write_text(json.dumps([
+        {"id": "g", "conversations": [{"from": "system", "value": "s"}, {"from": "gpt", "value": "g1"},
+                                      {"from": "gpt", "value": "g2"}, {"from": "human", "value": "q"},
+                                      {"from": "gpt", "value": "a"}, {"from": "human", "value": "q2"}]},
+        {"id": "h", "conversations": [{"from": "gpt", "value": "only"}]},
+    ]))
+    stats = {}
+    ds = load_conversations(DataConfig(name="x", source="sharegpt_json", path=str(p)), stats)
+    assert ds["id"] == ["sharegpt-g"] and stats["started_at_first_user"] == 1 and stats["dropped_no_user"] == 1
+    assert ds[0]["messages"] == [{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
+                                 {"role": "assistant", "content": "a"}, {"role": "user", "content": "q2"}]
 
 
 def test_user_sharegpt_file_with_nothing_usable_is_an_error(tmp_path):
@@ -58,12 +75,13 @@ def test_packaged_sharegpt_counts_and_splits():
     cfg = DataConfig(name="sharegpt", source="sharegpt")
     ds = load_conversations(cfg, stats)
     assert stats["records"] == 17671 and stats["incomplete_records"] == 1  # the shipped file is cut mid-record
-    assert stats["conversations"] == len(ds) > 11000
+    assert stats["conversations"] == len(ds) == 17397  # 11,175 that open with a human turn, 6,222 that start at it
+    assert stats["started_at_first_user"] == 6222 and stats["dropped_no_user"] == 148
     assert len(set(ds["id"])) == len(ds)
     c = Counter(ds["split"])
     assert abs(c["test"] / len(ds) - cfg.test_fraction) < 0.01
     assert abs(c["validation"] / len(ds) - cfg.validation_fraction) < 0.01
-    assert all(m[0]["role"] in ("user", "system") for m in ds["messages"][:500])
+    assert all(next(t["role"] for t in m if t["role"] != "system") == "user" for m in ds["messages"])
     sel = select_for_extraction(ds, ["train", "validation"], 50)
     assert len(sel) == 50 and "test" not in sel["split"]
     again = select_for_extraction(load_conversations(cfg), ["train", "validation"], 50)
@@ -268,10 +286,10 @@ def test_a_gzipped_jsonl_that_is_not_utf8_names_the_line(tmp_path):
          "{p}: its first record is not valid JSON (cut off or malformed); fix the file"),
         ("sharegpt_json", json.dumps([
             {"id": "a", "conversations": [{"from": "gpt", "value": "x"}]},
-            {"id": "b", "conversations": [{"from": "gpt", "value": "y"}, {"from": "human", "value": "z"}]},
+            {"id": "b", "conversations": [{"from": "gpt", "value": "y"}, {"from": "gpt", "value": "z"}]},
             {"id": "c", "conversations": []},
-        ]), "{p} holds no usable conversation: none of its 3 records qualifies (2 have no human turn before the "
-            "first gpt turn, 1 have an empty conversation); start each conversation with a human turn"),
+        ]), "{p} holds no usable conversation: none of its 3 records qualifies (2 have no human turn, "
+            "1 have an empty conversation); give each conversation a human turn"),
     ],
 )
 def test_a_prompt_file_without_a_usable_conversation_says_so(tmp_path, source, text, expected):
@@ -341,11 +359,12 @@ def test_a_bad_jsonl_line_is_refused_or_skipped_and_the_summary_says_what_was_no
     ds = load_conversations(DataConfig(name="x", source="jsonl", path=str(p), on_bad_record="skip"), stats)
     assert len(ds) == 2 and stats["records"] == 2 and stats["skipped_bad_records"] == 1
     assert data_line(stats) == "  prompt source: 2 records read, 2 conversations usable; not used: 1 damaged, skipped"
-    # the shipped ShareGPT file's counts, as load_conversations gives them (measured 2026-12-07)
-    shipped = {"records": 17671, "conversations": 11175, "dropped_no_leading_user": 6370, "dropped_empty": 126,
-               "incomplete_records": 1}
-    assert data_line(shipped) == ("  prompt source: 17671 records read, 11175 conversations usable; not used: 6370 no "
-                                  "human turn before the first gpt turn, 126 empty, 1 cut off at the end of the file")
+    # the shipped ShareGPT file's counts, as load_conversations gives them
+    shipped = {"records": 17671, "conversations": 17397, "started_at_first_user": 6222, "dropped_no_user": 148,
+               "dropped_empty": 126, "incomplete_records": 1}
+    assert data_line(shipped) == ("  prompt source: 17671 records read, 17397 conversations usable (6222 of them opened "
+                                  "with gpt turns and start at their first human turn); not used: 148 no human turn, "
+                                  "126 empty, 1 cut off at the end of the file")
     assert data_line({"conversations": 164}) is None  # a benchmark source counts no records
 
 

