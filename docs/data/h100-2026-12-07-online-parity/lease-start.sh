@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Join the bundle parts carried to /tmp/pay over the lease's calls, check them, install the
+# Join the bundle parts copied to /tmp/pay (one 58 MB part at a time), check them, install the
 # wheels into /tmp/site and the target into a copy of the repository at /tmp/repo, and start
-# lease-pipeline.sh there in its own process session (it outlives this call).
+# lease-pipeline.sh there in its own process session (it outlives this script).
 # usage: bash lease-start.sh END_EPOCH COMMIT   (repository root)
 set -euo pipefail
 (cd /tmp/pay && sha256sum --quiet -c SUMS)
