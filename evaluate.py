@@ -8,6 +8,10 @@ from eagle3.cli import run_stage
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="evaluate")
 def main(cfg):
+    if cfg.get("mode", "evaluate") == "doctor":  # the doctor's own entry is doctor.py
+        from eagle3.doctor.run import run_doctor  # checks + probe; exits 1 when a check fails
+
+        return run_stage(run_doctor, cfg)
     from eagle3.evaluate.run import run_evaluate
 
     return run_stage(run_evaluate, cfg)

@@ -65,7 +65,7 @@ def _target(args, device, dtype):
 
 
 def _drafter(target, draft_vocab: int, device, dtype, layers: int = 1):
-    from eagle3.train.drafter import DrafterArch, Eagle3Drafter
+    from eagle3.model.drafter import DrafterArch, Eagle3Drafter
 
     c = target.config
     heads = c.num_attention_heads

@@ -37,7 +37,7 @@ import torch  # noqa: E402
 
 from benchmarks.train_throughput import SHAPES  # noqa: E402
 from eagle3.train.data import length_bucketed_batches  # noqa: E402
-from eagle3.train.drafter import Eagle3Drafter  # noqa: E402
+from eagle3.model.drafter import Eagle3Drafter  # noqa: E402
 from eagle3.train.ttt import TTTCollator, batch_to, target_to_draft_index, ttt_forward  # noqa: E402
 
 

@@ -45,8 +45,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-import eagle3.train.drafter as drafter_module  # noqa: E402
-from eagle3.train.drafter import DrafterArch, Eagle3Drafter  # noqa: E402
+import eagle3.model.drafter as drafter_module  # noqa: E402
+from eagle3.model.drafter import DrafterArch, Eagle3Drafter  # noqa: E402
 from eagle3.train.fused import compile_drafter_elementwise  # noqa: E402
 from eagle3.train.ttt import TTTCollator, batch_to, target_to_draft_index, ttt_forward  # noqa: E402
 

@@ -95,7 +95,7 @@ def run_stage(fn: Callable[[Any], Any], cfg: DictConfig) -> Any:
 
 
 def run_tool(main: Callable[[Optional[Sequence[str]]], Any], argv: Optional[Sequence[str]] = None) -> Any:
-    """Run a plain argparse tool's ``main(argv)`` (``python -m eagle3.train.curve``, the CPU
+    """Run a plain argparse tool's ``main(argv)`` (``python -m eagle3.sweep.curve``, the CPU
     diagnostics in ``benchmarks/``): an :class:`Eagle3Error` becomes one line on stderr and exit
     code 2, as in :func:`run_stage`."""
     try:

@@ -167,7 +167,7 @@ def use_gqa_sdpa(model) -> None:
 
 def fold_drafter_attention(drafter: torch.nn.Module, on: bool = True) -> int:
     """Make every attention module of ``drafter`` that has a ``fold_gqa`` switch
-    (:class:`eagle3.train.drafter.DrafterAttention`) use (``on``) or not use the folded
+    (:class:`eagle3.model.drafter.DrafterAttention`) use (``on``) or not use the folded
     layout in its draft steps; returns how many were set."""
     mods = [m for m in drafter.modules() if hasattr(type(m), "fold_gqa")]
     for m in mods:

@@ -17,9 +17,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3.errors import Eagle3Error
-from eagle3.evaluate.provenance import read_export_meta
+from eagle3.export.provenance import read_export_meta
 from eagle3.export import export_sglang, load_sglang_export
-from eagle3.train.drafter import DrafterArch, Eagle3Drafter
+from eagle3.model.drafter import DrafterArch, Eagle3Drafter
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fake_sglang import FakeConfig, FakeSGLang, write_tiny_chat_tokenizer  # noqa: E402
@@ -336,7 +336,7 @@ def test_training_folders_named_in_another_order_are_not_changed_manifests():
     """The recorded hashes pair with folders by name, not by position: naming the training
     folders in another order (or moved elsewhere) is no change; a changed one quotes its own
     recorded hash, and a folder trained on by none is said to be none of them."""
-    from eagle3.evaluate.provenance import _changed_manifest
+    from eagle3.export.provenance import _changed_manifest
 
     meta = {"features_dir": ["/run/w/f-sg", "/run/w/f-gsm8k"], "features_manifest_sha256": ["a" * 64, "b" * 64]}
     assert _changed_manifest(meta, "/elsewhere/f-gsm8k", "b" * 64) is None

@@ -77,7 +77,7 @@ def test_training_refuses_features_of_another_build_and_says_where_each_was_made
 
 def test_evaluation_and_the_doctor_name_the_builds_when_only_the_bytes_differ():
     from eagle3.doctor.provenance import target_row
-    from eagle3.evaluate.provenance import check_export
+    from eagle3.export.provenance import check_export
 
     info = types.SimpleNamespace(name="smol-int4", content_hash="sha256:bbb", quantization=W4A16, build=AVX2,
                                  path="data/models/smol-w4a16")

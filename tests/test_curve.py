@@ -1,4 +1,4 @@
-"""The learning curve of eagle3.train.curve: points sorted by samples, gains per doubling by
+"""The learning curve of eagle3.sweep.curve: points sorted by samples, gains per doubling by
 hand, the PATH:SAMPLES form for old runs, clear errors, a PNG written."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from eagle3.errors import Eagle3Error
-from eagle3.train.curve import curve_points, format_curve, gains_per_doubling, main, read_run
+from eagle3.sweep.curve import curve_points, format_curve, gains_per_doubling, main, read_run
 
 
 def run(samples, acc, tau, train=None):
@@ -95,7 +95,7 @@ def _job(sweep, name, overrides, metrics):
 
 
 def test_a_sweep_over_train_fraction_writes_its_learning_curve_and_others_do_not(tmp_path):
-    from eagle3.sweep import write_summary
+    from eagle3.sweep.summary import write_summary
 
     sweep = tmp_path / "curve"
     _job(sweep, "0", ["loop.train_fraction=0.5"], run(1000, [0.5, 0.4], 2.0))

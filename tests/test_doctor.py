@@ -23,7 +23,7 @@ from eagle3.config import DoctorConfig, EvaluateConfig, HFEngineConfig, ModelCon
 from eagle3.doctor.probe import likely_causes, summarize, verdict_row
 from eagle3.doctor.run import diagnose, run_doctor
 from eagle3.export import export_sglang
-from eagle3.train.drafter import DrafterArch, Eagle3Drafter
+from eagle3.model.drafter import DrafterArch, Eagle3Drafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -281,11 +281,12 @@ def test_probe_in_process_on_the_tiny_target(tmp_path, target, capsys):
 
 
 # ------------------------------------------------------------------------------ the entry point
-def test_entry_point_exits_1_and_names_the_check(tmp_path, target):
+@pytest.mark.parametrize("entry", [["evaluate.py", "mode=doctor"], ["doctor.py"]], ids=["evaluate", "doctor"])
+def test_entry_point_exits_1_and_names_the_check(tmp_path, target, entry):
     model, _, _ = target
     export = healthy_export(tmp_path, target)
     set_config_aux(export, [0, 2, 3])
-    cmd = [sys.executable, "evaluate.py", "mode=doctor", "model=smollm2-135m-bf16", "model.name=tiny",
+    cmd = [sys.executable, *entry, "model=smollm2-135m-bf16", "model.name=tiny",
            f"model.source={model.source}", f"cache_dir={Path(model.source).parent / 'cache'}", "engine.device=cpu",
            f"drafter_dir={export}", f"output_dir={tmp_path / 'out'}", "doctor.probe=false"]
     p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from eagle3.train.drafter import DrafterArch, Eagle3Drafter
+from eagle3.model.drafter import DrafterArch, Eagle3Drafter
 from eagle3.train.ttt import ttt_forward
 
 ARCH = DrafterArch(
@@ -225,7 +225,7 @@ def test_grouped_query_attention_in_the_kernel_equals_repeated_keys(monkeypatch,
     from-scratch forward, and a training-time-test unroll's loss and gradients (float32); without
     autograd (decoding) the copies stay."""
     import benchmarks.train_throughput as bench
-    import eagle3.train.drafter as drafter_module
+    import eagle3.model.drafter as drafter_module
     from eagle3.train.ttt import batch_to
 
     m = make_drafter().to(device)

@@ -15,7 +15,7 @@ from eagle3.config import BenchmarksConfig
 from eagle3.errors import Eagle3Error
 from eagle3.evaluate.benchmarks import benchmark_names
 from eagle3.evaluate.inprocess import evaluate_hf
-from eagle3.evaluate.provenance import check_export, read_export_meta
+from eagle3.export.provenance import check_export, read_export_meta
 from eagle3.evaluate.records import TurnRecord, summarize_benchmark
 from eagle3.spec import DraftProposer, Eagle3Proposer, SpecSettings, SpeculativeDecoder, TargetRunner
 
@@ -74,7 +74,7 @@ def test_training_manifest_of_an_export_copied_from_another_machine(tmp_path):
 
     from toy import write_features
 
-    from eagle3.evaluate.provenance import load_train_manifest
+    from eagle3.export.provenance import load_train_manifest
     from eagle3.io import sha256_file
 
     a, b = tmp_path / "gpu" / "a", tmp_path / "gpu" / "b"
@@ -115,7 +115,7 @@ def tiny_target():
 
 def exported_drafter(target, tmp_path):
     """A random tiny drafter written and read back in SGLang's format (as the stage loads it)."""
-    from eagle3.train.drafter import DrafterArch, Eagle3Drafter
+    from eagle3.model.drafter import DrafterArch, Eagle3Drafter
     from eagle3.export import export_sglang, load_sglang_export
 
     arch = DrafterArch(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -372,7 +372,7 @@ def test_real_smollm2_stage_end_to_end(tmp_path, capsys):
     pytest.importorskip("eagle3.prompts")
     from eagle3.target import chat_template_hash
     from eagle3.config import EvaluateConfig, HFEngineConfig, SpeculativeConfig
-    from eagle3.train.drafter import DrafterArch, Eagle3Drafter
+    from eagle3.model.drafter import DrafterArch, Eagle3Drafter
     from eagle3.evaluate.run import run_evaluate
     from eagle3.export import export_sglang
     from eagle3.target import load_tokenizer, resolve_target
@@ -546,7 +546,7 @@ def test_sglang_engine_dispatch_reports_its_results(tmp_path):
 
     from eagle3.target import chat_template_hash
     from eagle3.config import EvaluateConfig, ModelConfig, SGLangEngineConfig, SpeculativeConfig
-    from eagle3.train.drafter import DrafterArch, Eagle3Drafter
+    from eagle3.model.drafter import DrafterArch, Eagle3Drafter
     from eagle3.evaluate.run import run_evaluate
     from eagle3.export import export_sglang
     from transformers import AutoTokenizer

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from eagle3.train.drafter import DrafterArch, Eagle3Drafter
+from eagle3.model.drafter import DrafterArch, Eagle3Drafter
 from eagle3.errors import Eagle3Error
 from eagle3.export import export_sglang, export_speculators, load_sglang_export
 from eagle3.target import default_aux_layer_ids
@@ -158,7 +158,7 @@ def _rms(x, w, eps=1e-6):
 def engine_draft_step(w: dict, ids, hidden, engine: str, layers: int, arch=ARCH):
     """One draft forward over ``ids [T]`` / fused ``hidden [T, H]`` as SGLang's or vLLM's
     ``llama_eagle3.py`` computes it from the exported file ``w`` (written independently of
-    eagle3.train.drafter): fused residual-add norms, layer 0 on ``cat(embeds, hidden)``, a
+    eagle3.model.drafter): fused residual-add norms, layer 0 on ``cat(embeds, hidden)``, a
     later layer's input norm read from ``hidden_norm`` (SGLang) or ``input_layernorm`` (vLLM).
     Returns (logits over the draft vocabulary [T, Vd], the pre-norm hidden state fed back [T, H])."""
     T, nh, nkv, hd = ids.shape[0], arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim

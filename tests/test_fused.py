@@ -4,7 +4,7 @@ import copy
 
 import torch
 
-from eagle3.train.drafter import DrafterArch, Eagle3Drafter
+from eagle3.model.drafter import DrafterArch, Eagle3Drafter
 from eagle3.train.fused import compile_drafter_elementwise
 from eagle3.train.ttt import TTTCollator, target_to_draft_index, ttt_forward
 from test_ttt import V, VD, H, random_sample

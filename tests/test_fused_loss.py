@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from eagle3.train.drafter import Eagle3Drafter
+from eagle3.model.drafter import Eagle3Drafter
 from eagle3.train.loss import fused_topk_kl, kl_loss
 from eagle3.train.ttt import TTTCollator, ttt_forward
 from test_ttt import ARCH, T2D_INDEX, random_sample

@@ -35,7 +35,7 @@ def fold_calls(monkeypatch):
     target's attention function and, through ``folded_gqa_sdpa``, the drafter's), ``drafter``
     the drafter's."""
     import eagle3.gqa
-    import eagle3.train.drafter
+    import eagle3.model.drafter
 
     calls = {"target": 0, "drafter": 0}
 
@@ -48,7 +48,7 @@ def fold_calls(monkeypatch):
         return f
 
     monkeypatch.setattr(eagle3.gqa, "grouped_attention", spy("target"))
-    monkeypatch.setattr(eagle3.train.drafter, "folded_gqa_sdpa", spy("drafter"))
+    monkeypatch.setattr(eagle3.model.drafter, "folded_gqa_sdpa", spy("drafter"))
     return calls
 
 

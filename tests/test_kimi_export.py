@@ -40,7 +40,7 @@ def _kimi_drafter():
 
     from eagle3.cli import to_typed
     from eagle3.target import resolve_target
-    from eagle3.train.drafter import Eagle3Drafter
+    from eagle3.model.drafter import Eagle3Drafter
     from eagle3.train.settings import drafter_arch
     from test_cli import CONF
 

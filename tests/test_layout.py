@@ -82,6 +82,42 @@ def test_no_import_circle():
     assert _cycle(graph) is None
 
 
+def _package(module: str) -> str:
+    """The unit of the package graph: ``eagle3.train.loop`` -> ``train``; a top-level module
+    (``eagle3.io``) is its own unit; the package root ``eagle3`` is none."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for n, deps in graph.items():
+        a = _package(n)
+        out.setdefault(a, set())
+        for m in deps:
+            b = _package(m)
+            if a and b and a != b:
+                out[a].add(b)
+                out.setdefault(b, set())
+    out.pop("", None)
+    return out
+
+
+def test_no_package_circle():
+    """docs/design.md's floor order holds between packages too: ``export`` never reaches back
+    into ``train``, ``doctor`` and ``evaluate`` do not import each other, lazy imports counted."""
+    mods = _modules()
+    graph = {n: _imports(n, p, set(mods)) for n, p in mods.items()}
+    assert _cycle(_package_graph(graph)) is None
+
+
+def test_the_package_graph_folds_modules_into_packages():
+    graph = {"eagle3.a.x": {"eagle3.b.y", "eagle3.a.z"}, "eagle3.a.z": set(),
+             "eagle3.b.y": {"eagle3.io"}, "eagle3.io": set(), "eagle3": {"eagle3.a.x"}}
+    assert _package_graph(graph) == {"a": {"b"}, "b": {"io"}, "io": set()}
+    assert _cycle(_package_graph({**graph, "eagle3.b.w": {"eagle3.a.z"}})) == ["a", "b", "a"]
+
+
 def test_the_cycle_finder_finds_a_cycle():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None

@@ -27,7 +27,7 @@ from eagle3.config import HFEngineConfig, ModelConfig
 from eagle3.engines import build_engine
 from eagle3.features import Capture, Record
 from eagle3.spec import Eagle3Proposer, TargetRunner
-from eagle3.train.drafter import DrafterArch, Eagle3Drafter
+from eagle3.model.drafter import DrafterArch, Eagle3Drafter
 from eagle3.train.ttt import TTTCollator, target_to_draft_index, ttt_forward
 from eagle3.train.vocab import build_draft_vocab
 

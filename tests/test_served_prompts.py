@@ -82,7 +82,7 @@ def _export(tmp_path, tokenizer_dir, kind: str) -> Path:
 
     from eagle3.export import export_sglang, export_vllm
     from eagle3.target import chat_template_hash
-    from eagle3.train.drafter import DrafterArch, Eagle3Drafter
+    from eagle3.model.drafter import DrafterArch, Eagle3Drafter
 
     arch = DrafterArch(hidden_size=4, num_attention_heads=2, num_key_value_heads=2, head_dim=4, intermediate_size=8,
                        num_layers=1, target_hidden_size=4, vocab_size=V, draft_vocab_size=64)

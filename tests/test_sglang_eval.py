@@ -205,7 +205,7 @@ def test_evaluate_stage_end_to_end_writes_the_hf_report_files(tokenizer_dir, ser
 
     from eagle3.target import chat_template_hash
     from eagle3.cli import to_typed
-    from eagle3.train.drafter import DrafterArch, Eagle3Drafter
+    from eagle3.model.drafter import DrafterArch, Eagle3Drafter
     from eagle3.evaluate.run import run_evaluate
     from eagle3.export import export_sglang
 
@@ -299,7 +299,7 @@ def test_engine_url_on_the_evaluate_command_line_is_refused(tokenizer_dir, serve
     from eagle3.evaluate.run import run_evaluate
     from eagle3.export import export_sglang
     from eagle3.target import chat_template_hash
-    from eagle3.train.drafter import DrafterArch, Eagle3Drafter
+    from eagle3.model.drafter import DrafterArch, Eagle3Drafter
 
     export = tmp_path / "export" / "sglang"
     arch = DrafterArch(hidden_size=4, num_attention_heads=2, num_key_value_heads=2, head_dim=4, intermediate_size=8,

@@ -429,7 +429,7 @@ def test_sampling_end_to_end_matches_the_target_distribution(topk, ndt):
 
 # ----------------------------------------------------------------------------- EAGLE-3 drafter
 def tiny_drafter(target, vocab_draft=48, seed=0, layers=1):
-    from eagle3.train.drafter import DrafterArch, Eagle3Drafter
+    from eagle3.model.drafter import DrafterArch, Eagle3Drafter
 
     cfg = target.config
     arch = DrafterArch(

@@ -14,7 +14,7 @@ import eagle3  # noqa: F401
 from eagle3.errors import Eagle3Error
 from eagle3.features import FeatureDataset
 from eagle3.train.data import BatchPlan, length_bucketed_batches, train_subset
-from eagle3.train.drafter import Eagle3Drafter
+from eagle3.model.drafter import Eagle3Drafter
 from eagle3.train.run import train_drafter
 from toy import H, V, embed, held_out, make_cfg, rule, tiny_target, write_features, write_target_and_features
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from eagle3.train.drafter import DrafterArch, Eagle3Drafter
+from eagle3.model.drafter import DrafterArch, Eagle3Drafter
 from eagle3.train.noise import add_feature_noise
 from eagle3.train.ttt import (
     TTTCollator,

@@ -30,7 +30,7 @@ from eagle3.evaluate.served_vllm_results import bootstrap_median_ci, lossless, p
 from eagle3.evaluate.served_vllm_servers import check_servers
 from eagle3.export import export_sglang, export_vllm, load_sglang_export, read_sglang_export, read_vllm_export
 from eagle3.target import engine_captured_ids
-from eagle3.train.drafter import DrafterArch, Eagle3Drafter
+from eagle3.model.drafter import DrafterArch, Eagle3Drafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

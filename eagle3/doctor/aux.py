@@ -10,7 +10,7 @@ absent = ``sglang``). The in-process engine (``engine=hf``) reads the SGLang exp
 SGLang does.
 
 The trained ids are the training features' (``metadata.aux_layer_ids`` of the manifest the
-export meta names, :func:`eagle3.evaluate.provenance.load_train_manifest`), else the
+export meta names, :func:`eagle3.export.provenance.load_train_manifest`), else the
 export meta's ``aux_layer_ids`` (HF ``output_hidden_states`` indices).
 """
 
@@ -65,7 +65,7 @@ def check_aux(files: ExportFiles, manifest: Optional[dict], architecture: str, n
 
     Args:
         files: from :func:`eagle3.doctor.checks.check_schema`.
-        manifest: from :func:`eagle3.evaluate.provenance.load_train_manifest`, or None.
+        manifest: from :func:`eagle3.export.provenance.load_train_manifest`, or None.
         architecture: the target family (``llama`` | ``deepseek_v2``).
         num_layers: the target's decoder layers (None: the range is not checked).
         engine: ``sglang`` | ``vllm`` (:func:`serving_engine`).
@@ -122,10 +122,10 @@ def _mismatch(written, captured, trained, source, declared, engine, architecture
 
 def _agreeing(files, manifest, architecture, engine, declared, written, trained, source) -> dict:
     """The ids capture the trained layers: the remaining consistency checks (the export meta
-    against the features; for SGLang's convention :func:`eagle3.evaluate.provenance.check_aux_ids`)."""
+    against the features; for SGLang's convention :func:`eagle3.export.provenance.check_aux_ids`)."""
     from types import SimpleNamespace
 
-    from eagle3.evaluate.provenance import check_aux_ids
+    from eagle3.export.provenance import check_aux_ids
 
     meta = files.meta
     notes = []

@@ -4,7 +4,7 @@ against the target) and the draft vocabulary map (``d2t`` / ``t2d``).
 Every check returns one row, ``{name, status, detail, fix}`` with ``status`` one of
 ``pass`` | ``fail`` | ``warn`` | ``skip`` (:func:`row`). The checks themselves are the
 export reader's (:mod:`eagle3.export.validate`) and the evaluate stage's
-(:func:`eagle3.evaluate.provenance.check_drafter_fits`), called piece by piece so that
+(:func:`eagle3.export.provenance.check_drafter_fits`), called piece by piece so that
 each fault lands in its own row; an :class:`~eagle3.errors.Eagle3Error` they raise
 becomes a failed row whose fix is the sentence's last clause.
 """
@@ -60,7 +60,7 @@ class ExportFiles:
     Attributes:
         dir: the export folder.
         config: ``config.json`` (None when unreadable); ``meta``: ``eagle3_meta.json`` ({} when absent).
-        arch: the drafter's sizes (:class:`eagle3.train.drafter.DrafterArch`), None when the config
+        arch: the drafter's sizes (:class:`eagle3.model.drafter.DrafterArch`), None when the config
             does not make a drafter.
         header: ``model.safetensors`` key -> (shape, safetensors dtype), None when unreadable.
         keys: drafter state-dict name -> file key (``d2t`` absent when the file has none).
@@ -148,7 +148,7 @@ def check_schema(export_dir: Path, info) -> tuple[list[dict], ExportFiles]:
     Returns:
         ``(rows, files)``: the ``export schema`` and ``tie_word_embeddings`` rows, and what was read.
     """
-    from eagle3.evaluate.provenance import check_drafter_fits
+    from eagle3.export.provenance import check_drafter_fits
     from eagle3.export import arch_from_sglang_config, read_json_object
     from eagle3.export.files import META_FILE
     from eagle3.export.validate import check_weights

@@ -63,7 +63,7 @@ def _load_drafter(export_dir, embed, device):
     from eagle3.export import META_FILE, load_sglang_export, read_json_object, read_sglang_export
     from eagle3.export.sglang import export_tensors
     from eagle3.export.files import export_convention
-    from eagle3.train.drafter import Eagle3Drafter
+    from eagle3.model.drafter import Eagle3Drafter
 
     try:
         return load_sglang_export(export_dir, embed_tokens=embed, device=device)[0]

@@ -1,8 +1,8 @@
 """The doctor's provenance rows: were the drafter's training features made by the target
 (content hash, quantization), chat template and compute dtype that are being served?
 
-The comparisons are the evaluate stage's (:func:`eagle3.evaluate.provenance.check_export`,
-:func:`eagle3.evaluate.provenance.feature_dtype_warning`); where evaluation only warns
+The comparisons are the evaluate stage's (:func:`eagle3.export.provenance.check_export`,
+:func:`eagle3.export.provenance.feature_dtype_warning`); where evaluation only warns
 (a different target build or quantization), the doctor fails the row, since a drafter
 trained on BF16 features meeting an INT4 deployment is a classic cause of an acceptance
 length near 1.
@@ -31,7 +31,7 @@ def _quant_text(q) -> str:
 def template_row(meta: dict, template_hash: Optional[str]) -> dict:
     """The ``chat template`` row: the template hash of the training prompts against the
     served tokenizer's (:func:`eagle3.target.chat_template_hash`)."""
-    from eagle3.evaluate.provenance import check_export
+    from eagle3.export.provenance import check_export
 
     if not meta:
         return row(TEMPLATE, "warn", NO_META, "re-export the drafter from its training run")
@@ -49,7 +49,7 @@ def template_row(meta: dict, template_hash: Optional[str]) -> dict:
 def target_row(meta: dict, info, model_name: str) -> dict:
     """The ``target and quantization`` row: the content hash and quantization recorded for the
     training features against the served target (``model=``)."""
-    from eagle3.evaluate.provenance import check_export
+    from eagle3.export.provenance import check_export
 
     if not meta:
         return row(TARGET, "warn", NO_META, "re-export the drafter from its training run")
@@ -78,7 +78,7 @@ def target_row(meta: dict, info, model_name: str) -> dict:
 
 def dtype_row(manifest: Optional[dict], dtype: str) -> dict:
     """The ``compute dtype`` row: the target's compute dtype at extraction against ``model.dtype``."""
-    from eagle3.evaluate.provenance import feature_dtype_warning
+    from eagle3.export.provenance import feature_dtype_warning
 
     feat = (((manifest or {}).get("metadata") or {}).get("target") or {}).get("dtype")
     if feat is None:

@@ -67,7 +67,7 @@ def diagnose(cfg) -> tuple[list[dict], dict]:
             ``drafter_dir`` is neither a training run's folder nor an export folder
             (:func:`eagle3.export.export_dir`).
     """
-    from eagle3.evaluate.provenance import load_train_manifest
+    from eagle3.export.provenance import load_train_manifest
     from eagle3.export import export_dir
 
     engine = serving_engine(cfg)

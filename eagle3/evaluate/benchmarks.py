@@ -140,7 +140,7 @@ def load_benchmarks(cfg, names: Sequence[str], train_manifest: Optional[dict],
         cfg: the ``EvaluateConfig`` (its ``data`` section names sources and the limit).
         names: from :func:`benchmark_names` (with ``data.source`` set, its one benchmark:
             a prompt file through :func:`load_prompt_file`, ``mtbench`` from ``data.path``).
-        train_manifest: from :func:`eagle3.evaluate.provenance.load_train_manifest`
+        train_manifest: from :func:`eagle3.export.provenance.load_train_manifest`
             (held-out ShareGPT prompts that were trained on are refused; GSM8K,
             HumanEval, MT-Bench and prompt-file prompts that were trained on are left out), or None.
         left_out: if given, filled with ``{name: {"left_out": n, "held_out": m}}`` for each

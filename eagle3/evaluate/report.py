@@ -75,7 +75,7 @@ def complete(results: dict) -> dict:
 
 
 def headline(results: dict) -> dict:
-    """Flat numbers for ``metrics.json`` and the sweep table (``eagle3.sweep``)."""
+    """Flat numbers for ``metrics.json`` and the sweep table (``eagle3.sweep.summary``)."""
     spec = results.get("speculative") or {}
     out: dict[str, Any] = {
         "steps/topk/draft": f"{spec.get('num_steps')}/{spec.get('topk')}/{spec.get('num_draft_tokens')}",
@@ -322,7 +322,7 @@ def write_report(output_dir: str | os.PathLike, results: dict) -> None:
     Writes (atomically) ``report.json`` (``results`` completed by :func:`complete`, NaN
     as null), ``report.md``, ``per_position_acceptance.png``, ``acceptance_length.png``
     and ``metrics.json`` (:func:`headline`); under a Hydra multirun also the job's
-    sweep summary (:func:`eagle3.sweep.record_job_summary`).
+    sweep summary (:func:`eagle3.sweep.record.record_job_summary`).
     """
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -334,7 +334,7 @@ def write_report(output_dir: str | os.PathLike, results: dict) -> None:
     head = headline(results)
     _write_text(out / "metrics.json", json.dumps(_json_safe(head), indent=1) + "\n")
     try:
-        from eagle3.sweep import record_job_summary
+        from eagle3.sweep.record import record_job_summary
 
         record_job_summary(_json_safe(head), metrics_path=str(out / "report.json"))
     except ImportError:  # pragma: no cover - sweep summaries are optional

@@ -5,15 +5,15 @@
 1. Checks the drafter export's files before any work (``drafter_dir``, a training run's
    folder, default ``data/drafters/<model>/sharegpt``, whose ``export/sglang`` the hf and
    sglang engines read, or an export folder: :func:`eagle3.export.export_dir`;
-   :func:`eagle3.evaluate.provenance.read_export`: JSON, sizes, tensor shapes, ``d2t``
+   :func:`eagle3.export.provenance.read_export`: JSON, sizes, tensor shapes, ``d2t``
    offsets), checks that its aux layer ids agree between ``config.json``,
    ``eagle3_meta.json`` and the training features
-   (:func:`eagle3.evaluate.provenance.check_aux_ids`), opens it the way a server does
+   (:func:`eagle3.export.provenance.check_aux_ids`), opens it the way a server does
    (:func:`eagle3.export.load_sglang_export`) and
    compares its ``eagle3_meta.json`` with the configured target: a different content
    hash or quantization gives a loud warning (a drafter trained on BF16 features
    meeting an INT4 deployment accepts little); a different chat template is refused
-   (:mod:`eagle3.evaluate.provenance`).
+   (:mod:`eagle3.export.provenance`).
 2. Loads the benchmarks (:func:`eagle3.evaluate.benchmarks.load_benchmarks`): gsm8k,
    humaneval, held-out sharegpt (refused if its ids overlap the training manifest),
    mtbench when ``data.mtbench_path`` is set; or, with ``data=jsonl data.path=FILE`` (or
@@ -49,7 +49,7 @@ from eagle3.errors import Eagle3Error
 from eagle3.evaluate.benchmarks import benchmark_names, load_benchmarks, prompt_settings
 from eagle3.evaluate.inprocess import evaluate_hf
 from eagle3.evaluate.parallel import run_evaluate_parallel
-from eagle3.evaluate.provenance import (
+from eagle3.export.provenance import (
     check_aux_ids,
     check_drafter_fits,
     check_export,
@@ -76,11 +76,7 @@ def run_evaluate(cfg) -> dict:
             fit the target (vocabulary/hidden size/aux layers), bad speculative settings,
             or benchmark problems (unknown name, overlap with training, missing MT-Bench file).
     """
-    if getattr(cfg, "mode", "evaluate") == "doctor":
-        from eagle3.doctor.run import run_doctor  # checks + probe; exits 1 when a check fails
-
-        return run_doctor(cfg)
-    if cfg.mode != "evaluate":
+    if cfg.mode != "evaluate":  # evaluate.py sends mode=doctor to eagle3.doctor.run before this
         raise Eagle3Error(f"mode '{cfg.mode}' is unknown; use mode=evaluate or mode=doctor")
     settings, note = SpecSettings.make(
         cfg.speculative.num_steps, cfg.speculative.topk, cfg.speculative.num_draft_tokens,
@@ -148,7 +144,7 @@ class _Loaded:
     tokenizer: Any
     info: Any  # eagle3.target.TargetInfo
     device: torch.device
-    drafter: Any  # eagle3.train.drafter.Eagle3Drafter
+    drafter: Any  # eagle3.model.drafter.Eagle3Drafter
     aux: list[int]
 
 
@@ -163,8 +159,8 @@ def _load_in_process(cfg, drafter_dir: Path, meta: dict, manifest: Optional[dict
         warnings: the stage's warnings so far (extended in place).
 
     Raises:
-        Eagle3Error: as :func:`eagle3.evaluate.provenance.check_export` and
-            :func:`eagle3.evaluate.provenance.check_drafter_fits`.
+        Eagle3Error: as :func:`eagle3.export.provenance.check_export` and
+            :func:`eagle3.export.provenance.check_drafter_fits`.
     """
     from eagle3.devices import resolve_device
     from eagle3.export import load_sglang_export

@@ -7,7 +7,7 @@
    files, ``d2t``, aux ids in vLLM's convention; an SGLang export is refused with the
    ``export/vllm`` folder to use), its aux ids against the training features, its
    provenance against the configured target (content hash, quantization, chat template)
-   and its sizes (:mod:`eagle3.evaluate.provenance`);
+   and its sizes (:mod:`eagle3.export.provenance`);
 2. opens two servers at once (:mod:`eagle3.evaluate.served_vllm_servers`): a baseline (no
    drafter) and a speculative one serving the export, and reads back their effective settings;
 3. measures batch-1 pairs and the concurrency sweep (:mod:`eagle3.evaluate.served_vllm_measure`),
@@ -39,7 +39,7 @@ def read_checked_export(cfg: Any, drafter_dir: Path, warnings: list[str]):
         Eagle3Error: no export / a damaged one / an export for SGLang; aux ids that disagree
             with the training features; a chat-template mismatch; a drafter that does not fit.
     """
-    from eagle3.evaluate.provenance import check_drafter_fits, check_export, load_train_manifest
+    from eagle3.export.provenance import check_drafter_fits, check_export, load_train_manifest
     from eagle3.export import read_vllm_export
     from eagle3.target import chat_template_hash, load_tokenizer, resolve_target
 
@@ -58,13 +58,13 @@ def read_checked_export(cfg: Any, drafter_dir: Path, warnings: list[str]):
 
 
 def check_feature_aux_ids(export, manifest: Optional[dict], architecture: str) -> list[str]:
-    """:func:`eagle3.evaluate.provenance.check_aux_ids` for a vLLM export: the ids vLLM
+    """:func:`eagle3.export.provenance.check_aux_ids` for a vLLM export: the ids vLLM
     captures (as written) must be the trained ones and those of the training features.
 
     Raises:
         Eagle3Error: the config ids, the metadata and the training features disagree.
     """
-    from eagle3.evaluate.provenance import check_aux_ids
+    from eagle3.export.provenance import check_aux_ids
 
     return check_aux_ids(export, manifest, architecture)
 

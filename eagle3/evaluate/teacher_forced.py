@@ -64,7 +64,7 @@ def chain_acceptance_rows(runner, drafter, prompt_ids: Sequence[int], reply: Seq
         runner: a :class:`eagle3.spec.TargetRunner` (or the static one); its ``prefill``
             of the whole sequence gives the ``[T, 3*H]`` aux states in the model dtype on
             its device.
-        drafter: the :class:`eagle3.train.drafter.Eagle3Drafter` on the same device.
+        drafter: the :class:`eagle3.model.drafter.Eagle3Drafter` on the same device.
         prompt_ids: ``P >= 2`` target ids.
         reply: ``T - P`` target ids.
         num_steps: drafts per chain.
@@ -100,7 +100,7 @@ def teacher_forced_turn(runner, drafter, prompt_ids: Sequence[int], reply: Seque
     Args:
         runner: the decoder's :class:`eagle3.spec.TargetRunner` (its ``prefill`` of the
             whole sequence, ``capture=True``, gives ``[T, 3*H]`` aux states in the model dtype).
-        drafter: the :class:`eagle3.train.drafter.Eagle3Drafter` the decoder drafts with.
+        drafter: the :class:`eagle3.model.drafter.Eagle3Drafter` the decoder drafts with.
         prompt_ids: ``P`` target ids of the rendered prompt.
         reply: the decoded reply (``T - P`` ids, the prefill token first).
         num_steps: drafts per chain (``--speculative-num-steps``; chains only, topk 1).

@@ -47,7 +47,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from eagle3.train.drafter import DrafterArch, Eagle3Drafter
+from eagle3.model.drafter import DrafterArch, Eagle3Drafter
 from eagle3.errors import Eagle3Error
 from eagle3.export.files import CONVENTION_FIELD, CONVENTIONS, DTYPES, META_FILE, dtype_name, staging_dir, write_json
 from eagle3.export.validate import SGLANG_ARCHITECTURE, WEIGHTS_FILE, SGLangExport, engine_norm_alias, read_sglang_export
@@ -146,7 +146,7 @@ def write_eagle3_export(drafter: Eagle3Drafter, out_dir: str | os.PathLike, meta
     (and, for vLLM, no ``d2t`` / ``t2d`` when the draft vocabulary is the target's whole one).
 
     Args:
-        drafter: an :class:`~eagle3.train.drafter.Eagle3Drafter` (any number of layers;
+        drafter: an :class:`~eagle3.model.drafter.Eagle3Drafter` (any number of layers;
             see the module docstring for how layers after the first are named).
         meta: provenance (see :data:`META_FILE`); must hold ``aux_layer_ids`` (HF
             convention, 3 ids) and ``target.architecture`` (``llama`` |

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3.train.drafter import Eagle3Drafter
+from eagle3.model.drafter import Eagle3Drafter
 from eagle3.errors import Eagle3Error
 from eagle3.export.files import META_FILE, staging_dir, write_json
 from eagle3.io import replace_dir

@@ -23,7 +23,7 @@ from safetensors import SafetensorError, safe_open
 
 from eagle3.errors import Eagle3Error
 from eagle3.export.files import DTYPES, META_FILE, check_convention, export_convention
-from eagle3.train.drafter import DrafterArch, Eagle3Drafter
+from eagle3.model.drafter import DrafterArch, Eagle3Drafter
 
 SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
 CONFIG_FILE = "config.json"

@@ -24,7 +24,7 @@ from eagle3.export.files import META_FILE
 from eagle3.export.sglang import write_eagle3_export
 from eagle3.export.validate import CONFIG_FILE, SGLangExport, read_sglang_export
 from eagle3.target import engine_captured_ids
-from eagle3.train.drafter import Eagle3Drafter
+from eagle3.model.drafter import Eagle3Drafter
 
 
 def export_vllm(drafter: Eagle3Drafter, out_dir: str | os.PathLike, meta: dict,

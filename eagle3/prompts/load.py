@@ -132,7 +132,7 @@ def trained_ids(train_manifest: dict) -> set[str]:
     its ``train`` and ``validation`` splits (of the whole source, extracted or not).
 
     Args:
-        train_manifest: from :func:`eagle3.evaluate.provenance.load_train_manifest`:
+        train_manifest: from :func:`eagle3.export.provenance.load_train_manifest`:
             ``plan`` (``[[sample_id, split], ...]``) and ``splits`` (``{split: [ids]}``).
     """
     ids = {p[0] for p in train_manifest.get("plan", [])}

@@ -39,7 +39,7 @@ Measured on one H200 at batch 256 with attention compiled, inductor's lowering o
 SDPA spent 82-89% of the GPU time in a prologue that materialises the mask per layer and step,
 whichever SDPA kernel followed (``docs/performance.md``); this is the variant that avoids it.
 Any transformers model whose layers call ``ALL_ATTENTION_FUNCTIONS`` (Llama, DeepSeek-V3)
-takes it; the drafter's attention (:class:`eagle3.train.drafter.DrafterAttention`) does not.
+takes it; the drafter's attention (:class:`eagle3.model.drafter.DrafterAttention`) does not.
 Timed by ``benchmarks/regenerate_speed.py --compile-layers`` (``graphs_compiled_sdpa_eager``).
 
 On CPU this works too (inductor's C++ backend) but is not what the project runs there
@@ -93,7 +93,7 @@ def use_sdpa_outside_compile(model) -> None:
 
 def _owner(model) -> torch.nn.Module:
     """The module holding ``layers`` (and ``norm``): the drafter itself
-    (:class:`eagle3.train.drafter.Eagle3Drafter`) or a transformers causal LM's decoder."""
+    (:class:`eagle3.model.drafter.Eagle3Drafter`) or a transformers causal LM's decoder."""
     if isinstance(getattr(model, "layers", None), torch.nn.ModuleList):
         return model
     base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)

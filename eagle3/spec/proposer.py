@@ -2,7 +2,7 @@
 
 :class:`DraftProposer` is what :class:`eagle3.spec.decoder.SpeculativeDecoder` calls
 (``begin`` once per round, ``step`` for the further draft steps, ``end_round``);
-:class:`Eagle3Proposer` runs an ``eagle3.train.drafter.Eagle3Drafter`` with its own KV
+:class:`Eagle3Proposer` runs an ``eagle3.model.drafter.Eagle3Drafter`` with its own KV
 cache. The first draft step pairs the target's aux hidden states at position ``t``
 (fused by the drafter's ``fc``) with the embedding of token ``t+1``, as step 0 of
 training-time test does (:mod:`eagle3.train.ttt`).
@@ -85,7 +85,7 @@ class Eagle3Proposer(DraftProposer):
     verified prefix and to their own ancestors only (4D bool mask, True = attend).
 
     Args:
-        drafter: an ``eagle3.train.drafter.Eagle3Drafter`` (``fuse``, ``forward``, ``d2t``).
+        drafter: an ``eagle3.model.drafter.Eagle3Drafter`` (``fuse``, ``forward``, ``d2t``).
         aux_layer_ids: HF-convention ids the drafter was trained on (from its export).
     """
 

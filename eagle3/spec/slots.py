@@ -24,7 +24,7 @@ over 2,048 4.28 ms and over 512 3.54 ms (``benchmarks/round_breakdown.py``). Hen
 It implements the two calls transformers' decoder layers make on a cache
 (``update(keys, values, layer_idx)`` and ``get_seq_length``; transformers >= 5 builds
 no mask when it is given a 4D one, ``masking_utils._preprocess_mask_arguments``) and the
-two the drafter's attention makes (:mod:`eagle3.train.drafter`), so neither model is
+two the drafter's attention makes (:mod:`eagle3.model.drafter`), so neither model is
 changed. The idea is the one of transformers' ``StaticCache`` and of the serving
 engines' paged KV pools; the 5.x ``StaticCache`` writes at a running counter rather
 than at given slots, which cannot express a rollback or a tree.

@@ -32,7 +32,7 @@ class StaticEagle3Proposer(Eagle3Proposer):
     """:class:`Eagle3Proposer` on a :class:`SlotCache` (module docstring).
 
     Args:
-        drafter: an ``eagle3.train.drafter.Eagle3Drafter``.
+        drafter: an ``eagle3.model.drafter.Eagle3Drafter``.
         aux_layer_ids: HF-convention ids the drafter was trained on.
         max_len: KV slots: longest prompt + generated tokens + one round's draft nodes.
         cuda_graphs: replay begin/draft steps from CUDA graphs; None = when the drafter

@@ -30,7 +30,7 @@ from eagle3.paths import features_dirs, stage_output_dir
 from eagle3.train.checkpoint import TrainState, latest_checkpoint
 from eagle3.train.data import (BatchPlan, length_bucketed_batches, make_loader, open_datasets, train_subset,
                                warn_on_degenerate_loss_mask)
-from eagle3.train.drafter import DrafterArch, Eagle3Drafter
+from eagle3.model.drafter import DrafterArch, Eagle3Drafter
 from eagle3.train.faults import process_group_kwargs
 from eagle3.train.fused import compile_drafter_elementwise
 from eagle3.train.online import OnlineFeatures, build_online

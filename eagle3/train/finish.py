@@ -23,7 +23,7 @@ from eagle3.errors import Eagle3Error
 from eagle3.io import write_json_atomic
 from eagle3.train.build import Run
 from eagle3.train.checkpoint import checkpoint_name, latest_checkpoint, save_checkpoint
-from eagle3.train.drafter import Eagle3Drafter
+from eagle3.model.drafter import Eagle3Drafter
 from eagle3.train.loop import Progress, run_train_metrics
 from eagle3.train.validation import validate
 
@@ -250,7 +250,7 @@ def _peak_memory() -> dict:
 
 def _record_sweep_job(metrics: dict) -> None:
     try:
-        from eagle3.sweep import record_job_summary
+        from eagle3.sweep.record import record_job_summary
     except ImportError:
         return
     val = metrics.get("validation") or {}

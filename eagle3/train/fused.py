@@ -36,7 +36,7 @@ def compile_drafter_elementwise(drafter: torch.nn.Module) -> int:
     """Compile the drafter's norms and MLPs in place (module docstring). Idempotent.
 
     Args:
-        drafter: an :class:`eagle3.train.drafter.Eagle3Drafter` (``layers``, ``norm``).
+        drafter: an :class:`eagle3.model.drafter.Eagle3Drafter` (``layers``, ``norm``).
 
     Returns:
         how many modules were compiled by this call (0 when already done).

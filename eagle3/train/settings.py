@@ -13,7 +13,7 @@ from typing import Any, Optional
 import torch
 
 from eagle3.errors import Eagle3Error
-from eagle3.train.drafter import DrafterArch
+from eagle3.model.drafter import DrafterArch
 
 MIXED_PRECISION = ("auto", "bf16", "fp16", "no")  # Accelerate's, plus auto (bf16 on CUDA, none on CPU)
 

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from eagle3.train.drafter import Eagle3Drafter
+from eagle3.model.drafter import Eagle3Drafter
 from eagle3.train.loss import fused_topk_kl, kl_loss, target_distribution  # noqa: F401  (re-exported)
 from eagle3.train.noise import add_feature_noise
 from eagle3.train.ttt_attention import chain_attention, ttt_attention_mask  # noqa: F401  (ttt_attention_mask: re-exported)

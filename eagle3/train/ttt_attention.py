@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle3.errors import Eagle3Error
-from eagle3.train.drafter import repeat_kv
+from eagle3.model.drafter import repeat_kv
 
 
 def ttt_attention_mask(T: int, step: int, device: torch.device | str = "cpu") -> torch.Tensor | None:

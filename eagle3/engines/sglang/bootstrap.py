@@ -65,7 +65,7 @@ def bootstrap_arch(dims: dict, tp: int) -> dict:
 def write_bootstrap_drafter(out_dir: Path, arch: dict, aux_layer_ids: list[int], architecture: str, meta: dict, seed: int = 0) -> Path:
     """Write a randomly initialised drafter in the SGLang format.
 
-    The drafter is an ``eagle3.train.drafter.Eagle3Drafter`` of sizes ``arch``,
+    The drafter is an ``eagle3.model.drafter.Eagle3Drafter`` of sizes ``arch``,
     initialised under ``torch.manual_seed(seed)`` and written by the project's exporter
     (``eagle3.export.sglang.export_sglang``) in the documented format (docs/design.md,
     "Export"): ``config.json`` (``LlamaForCausalLMEagle3``, aux ids in SGLang's
@@ -92,7 +92,7 @@ def write_bootstrap_drafter(out_dir: Path, arch: dict, aux_layer_ids: list[int],
     """
     # imported here: the exporter needs transformers, which talking to a server does not
     from eagle3.export import export_sglang
-    from eagle3.train.drafter import DrafterArch, Eagle3Drafter
+    from eagle3.model.drafter import DrafterArch, Eagle3Drafter
 
     torch.manual_seed(seed)
     meta = dict(meta, aux_layer_ids=list(aux_layer_ids))

@@ -8,7 +8,7 @@ and ``validation.replay_tau``, the serving-replay tau). Between consecutive poin
 reported per doubling of the samples, ``(y2 - y1) / log2(n2 / n1)``; when the gains shrink
 geometrically, the next doubling is worth about the last gain times their ratio.
 
-    python -m eagle3.train.curve runs/a/metrics.json runs/b/metrics.json --plot curve.png
+    python -m eagle3.sweep.curve runs/a/metrics.json runs/b/metrics.json --plot curve.png
 
 A run written before ``train_samples`` was recorded takes its count after a colon:
 ``runs/old/metrics.json:16423``.

@@ -18,42 +18,9 @@ from typing import Any, Optional
 
 from hydra.experimental.callback import Callback
 
+from eagle3.sweep.record import SUMMARY_FILE
+
 log = logging.getLogger("eagle3")
-
-SUMMARY_FILE = "summary.json"
-
-
-def _job_context() -> Optional[tuple[Path, list[str]]]:
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        hc = HydraConfig.get()
-        return Path(hc.runtime.output_dir), list(hc.overrides.task)
-    except Exception:  # noqa: BLE001  (not running under Hydra)
-        return None
-
-
-def record_job_summary(summary: dict, metrics_path: Optional[str] = None) -> Optional[Path]:
-    """Write ``summary.json`` into the current Hydra job folder (no-op outside Hydra).
-
-    Args:
-        summary: flat ``{column: number or str}`` for the sweep table.
-        metrics_path: where the job's full metrics/report lives.
-
-    Returns:
-        The file written, or None outside Hydra.
-    """
-    ctx = _job_context()
-    if ctx is None:
-        return None
-    job_dir, overrides = ctx
-    job_dir.mkdir(parents=True, exist_ok=True)
-    path = job_dir / SUMMARY_FILE
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"overrides": overrides, "metrics_path": metrics_path, "summary": summary}, indent=1))
-    tmp.replace(path)
-    return path
-
 
 def _fmt(v: Any) -> str:
     if v is None:
@@ -105,7 +72,7 @@ def summary_table(rows: list[dict]) -> str:
 
 def write_learning_curve(sweep_dir: str | Path, rows: list[dict]) -> Optional[Path]:
     """For a training sweep over ``loop.train_fraction`` (every job sets it): the learning curve
-    of :mod:`eagle3.train.curve` as ``learning_curve.md`` and ``learning_curve.png``; returns the
+    of :mod:`eagle3.sweep.curve` as ``learning_curve.md`` and ``learning_curve.png``; returns the
     .md path, or None for any other sweep. A curve that cannot be drawn (a job without
     validation, two equal subsets) is logged, and the sweep's table stands."""
     from eagle3.errors import Eagle3Error
@@ -113,7 +80,7 @@ def write_learning_curve(sweep_dir: str | Path, rows: list[dict]) -> Optional[Pa
     if len(rows) < 2 or not all(any(o.startswith("loop.train_fraction=") for o in r.get("overrides", []))
                                 and str(r.get("metrics_path") or "").endswith("metrics.json") for r in rows):
         return None
-    from eagle3.train.curve import curve_points, format_curve, plot_curve, read_run
+    from eagle3.sweep.curve import curve_points, format_curve, plot_curve, read_run
 
     sweep_dir = Path(sweep_dir)
     try:

@@ -276,7 +276,7 @@ def check_drafter_fits(arch, export_meta: dict, info, drafter_dir: Path) -> list
     """Refuse a loaded drafter that cannot read this target; return its aux layer ids.
 
     Args:
-        arch: the drafter's :class:`eagle3.train.drafter.DrafterArch` (``vocab_size``,
+        arch: the drafter's :class:`eagle3.model.drafter.DrafterArch` (``vocab_size``,
             ``target_hidden_size``).
         export_meta: the meta returned by :func:`eagle3.export.load_sglang_export`
             (``aux_layer_ids``: HF-convention layer ids the drafter reads).
