@@ -98,7 +98,7 @@ def _aux_ids(layers: int) -> list[int]:
 
 def _bootstrap_median(values: list[float]):
     """95% percentile-bootstrap interval of the median (the served evaluation's estimator)."""
-    from eagle3.evaluate.served_vllm_results import bootstrap_median_ci
+    from eagle3.evaluate.vllm.results import bootstrap_median_ci
 
     ci = bootstrap_median_ci(values, seed=0)
     return list(ci) if ci else None

@@ -10,7 +10,7 @@ import torch
 
 from eagle3.engines.hf.batch_decode import BatchDecoder
 from eagle3.errors import Eagle3Error
-from eagle3.evaluate.run import decoding_path
+from eagle3.evaluate.inprocess.backend import decoding_path
 from eagle3.spec import SpecSettings, build_decoder
 from eagle3.spec.compiled import SDPA_OUTSIDE_COMPILE, compile_decoder_layers, layers_compiled
 from test_batch_decode import reference, seqs_of

@@ -14,9 +14,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from eagle3.config import BenchmarksConfig
 from eagle3.errors import Eagle3Error
 from eagle3.evaluate.benchmarks import benchmark_names
-from eagle3.evaluate.inprocess import evaluate_hf
+from eagle3.evaluate.inprocess.decode import evaluate_hf
 from eagle3.export.provenance import check_export, read_export_meta
-from eagle3.evaluate.records import TurnRecord, summarize_benchmark
+from eagle3.evaluate.inprocess.records import TurnRecord, summarize_benchmark
 from eagle3.spec import DraftProposer, Eagle3Proposer, SpecSettings, SpeculativeDecoder, TargetRunner
 
 V = 128
@@ -431,7 +431,7 @@ def test_real_smollm2_stage_end_to_end(tmp_path, capsys):
 
 
 def test_finished_benchmarks_are_resumed(tmp_path):
-    from eagle3.evaluate.resume import load_partial, save_partial
+    from eagle3.evaluate.inprocess.resume import load_partial, save_partial
 
     target = tiny_target()
     drafter, _ = exported_drafter(target, tmp_path)
@@ -460,7 +460,7 @@ def test_finished_benchmarks_are_resumed(tmp_path):
 
 
 def test_diagnose_mismatch_measures_the_logit_gap():
-    from eagle3.evaluate.inprocess import diagnose_mismatch
+    from eagle3.evaluate.inprocess.decode import diagnose_mismatch
     from eagle3.spec import StaticTargetRunner, target_generate
 
     target = tiny_target()
@@ -516,7 +516,7 @@ class _TwoPathRunner:
 
 
 def test_diagnose_mismatch_calls_a_flip_within_the_two_paths_drift_a_tie():
-    from eagle3.evaluate.inprocess import DRIFT_MAX_ULPS, TIE_ULPS, diagnose_mismatch
+    from eagle3.evaluate.inprocess.decode import DRIFT_MAX_ULPS, TIE_ULPS, diagnose_mismatch
 
     prompt, base = [1, 2, 3], [5] * 10 + [5, 5]
     spec = base[:10] + [3, 3]
@@ -541,7 +541,7 @@ def test_diagnose_mismatch_calls_a_flip_within_the_two_paths_drift_a_tie():
 
 
 def test_sglang_engine_dispatch_reports_its_results(tmp_path):
-    """engine=sglang: benchmarks and export meta go to eagle3.evaluate.served, its results to the report."""
+    """engine=sglang: benchmarks and export meta go to eagle3.evaluate.sglang.evaluation, its results to the report."""
     import sys
 
     from eagle3.target import chat_template_hash

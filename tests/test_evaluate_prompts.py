@@ -153,7 +153,7 @@ def test_a_gzipped_file_is_named_without_its_suffixes():
 
 
 def test_resume_keys_change_when_a_prompts_text_changes_under_the_same_id(tmp_path, chats):
-    from eagle3.evaluate.resume import benchmark_keys
+    from eagle3.evaluate.inprocess.resume import benchmark_keys
     from eagle3.spec import SpecSettings
 
     settings, _ = SpecSettings.make(3, 1, 4, 0.0, 1.0, 16)

@@ -210,7 +210,7 @@ def test_gqa_fold_setting_resolves_by_device_and_attention():
 
 
 def test_the_report_names_the_folded_attention():
-    from eagle3.evaluate.run import decoding_path
+    from eagle3.evaluate.inprocess.backend import decoding_path
     from eagle3.spec import build_decoder
 
     model = tiny_target(layers=3)

@@ -126,7 +126,7 @@ def test_verdict_treats_a_failed_timing_as_not_measured_and_counts_ties_among_mi
 def test_in_process_speed_up_interval_is_the_bootstrap_over_prompts():
     import numpy as np
 
-    from eagle3.evaluate.records import TurnRecord, summarize_benchmark
+    from eagle3.evaluate.inprocess.records import TurnRecord, summarize_benchmark
     from eagle3.spec import SpecSettings
 
     s, _ = SpecSettings.make(3, 1, 4, max_new_tokens=8)

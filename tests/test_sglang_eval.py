@@ -16,10 +16,10 @@ import pytest
 import eagle3  # noqa: F401
 from eagle3.config import BenchmarksConfig, EvaluateConfig, ModelConfig, SGLangEngineConfig, SpeculativeConfig
 from eagle3.errors import Eagle3Error
-from eagle3.evaluate import served as se
-from eagle3.evaluate.served_measures import RequestRecord, padded_histogram, percentiles_ms
-from eagle3.evaluate.served_results import PLOT_NAME, REQUESTS_NAME
-from eagle3.evaluate.servers import cap_warnings
+from eagle3.evaluate.sglang import evaluation as se
+from eagle3.evaluate.measures import RequestRecord, padded_histogram, percentiles_ms
+from eagle3.evaluate.sglang.results import PLOT_NAME, REQUESTS_NAME
+from eagle3.evaluate.sglang.servers import cap_warnings
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fake_sglang import FakeConfig, FakeSGLang, response_length, spec_passes, write_tiny_chat_tokenizer  # noqa: E402
@@ -352,7 +352,7 @@ def _rec(sample_id: str, tokens: int, seconds: float, ids=None, turn: int = 0) -
 
 
 def test_paired_speedup_and_its_bootstrap_interval_by_hand():
-    from eagle3.evaluate.served_measures import paired_speedup
+    from eagle3.evaluate.measures import paired_speedup
 
     # every prompt runs exactly twice as fast with speculation: every resample gives 2
     pairs = [([_rec("a", 10, 1.0)], [_rec("a", 10, 0.5)]), ([_rec("b", 20, 4.0)], [_rec("b", 20, 2.0)])]
@@ -372,7 +372,7 @@ def test_paired_speedup_and_its_bootstrap_interval_by_hand():
 def test_tau_interval_over_prompts_by_hand_and_against_a_plain_bootstrap():
     import numpy as np
 
-    from eagle3.evaluate.served_measures import pooled_ratio_interval
+    from eagle3.evaluate.measures import pooled_ratio_interval
 
     # every prompt at tau 3: every resample gives 3
     assert pooled_ratio_interval([[30, 10], [60, 20]], resamples=300) == pytest.approx([3.0, 3.0])
@@ -393,7 +393,7 @@ def test_tau_interval_over_prompts_by_hand_and_against_a_plain_bootstrap():
 
 
 def test_inprocess_summary_gives_tau_an_interval_over_prompts():
-    from eagle3.evaluate.records import TurnRecord, summarize_benchmark
+    from eagle3.evaluate.inprocess.records import TurnRecord, summarize_benchmark
     from eagle3.spec import SpecSettings
 
     def rec(sid, turn, emitted, passes):
@@ -412,7 +412,7 @@ def test_inprocess_summary_gives_tau_an_interval_over_prompts():
 
 
 def test_lossless_check_names_the_first_differing_position():
-    from eagle3.evaluate.served_measures import lossless_check
+    from eagle3.evaluate.measures import lossless_check
 
     same = ([_rec("a", 3, 1.0, [5, 6, 7])], [_rec("a", 3, 1.0, [5, 6, 7])])
     differs = ([_rec("b", 3, 1.0, [5, 6, 7]), _rec("b", 2, 1.0, [1, 2], turn=1)],
@@ -437,7 +437,7 @@ def test_interleaving_alternates_which_server_goes_first(tokenizer_dir):
     from transformers import AutoTokenizer
 
     from eagle3.engines.sglang import StreamResult
-    from eagle3.evaluate.served_sweeps import interleave_batch1
+    from eagle3.evaluate.sglang.sweeps import interleave_batch1
 
     order = []
 
@@ -550,7 +550,7 @@ def test_sglang_near_tie_test_measures_the_gap_and_never_ends_an_evaluation(toke
     from transformers import AutoTokenizer
 
     from eagle3.engines.sglang import SGLangClient
-    from eagle3.evaluate.served import _diagnose
+    from eagle3.evaluate.sglang.evaluation import _diagnose
     from eagle3.target import render_prompt
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)

@@ -134,7 +134,7 @@ def test_recorded_capture_answer_parses_into_a_capture():
 
 
 def test_recorded_speculative_counters_give_tau():
-    from eagle3.evaluate.served_measures import RequestRecord, summarize
+    from eagle3.evaluate.measures import RequestRecord, summarize
 
     meta = load_fixture("generate_speculative")["answer"]["meta_info"]
     n, ct = meta["completion_tokens"], meta["spec_verify_ct"]

@@ -3,7 +3,7 @@
 Skipped unless ``EAGLE3_SGLANG_PYTHON`` names the Python of an SGLang install (on a CPU
 machine the CPU build; ``EAGLE3_SGLANG_ENV_SCRIPT`` is the shell line sourced before
 it starts, e.g. ``servers/sglang-cpu/env.sh VENV``). Every server is started through
-the project's own launch code (:func:`eagle3.evaluate.servers.open_server`,
+the project's own launch code (:func:`eagle3.evaluate.sglang.servers.open_server`,
 :meth:`eagle3.engines.sglang.SGLangEngine.from_config`) on 127.0.0.1, ports
 ``EAGLE3_SGLANG_PORT`` (default 30100) to +2, and stopped by its process group.
 Target: SmolLM2-135M-Instruct in bf16 (``model=smollm2-135m-bf16``, built on first use).
@@ -78,7 +78,7 @@ def served(tmp_path_factory):
     """Baseline and speculative servers, both up; neither gets ``--max-running-requests``
     (``engine.max_running_requests=null``); the baseline also returns hidden states
     (for the recorded fixture)."""
-    from eagle3.evaluate.servers import open_server
+    from eagle3.evaluate.sglang.servers import open_server
 
     cfg = compose("evaluate", "engine.max_running_requests=null", "+engine.extra_args=[--enable-return-hidden-states]")
     cfg.drafter_dir = _drafter(cfg)
@@ -148,7 +148,7 @@ def record(name: str, request: dict | None, answer, note: str) -> None:
 # ------------------------------------------------------------------ tests
 def test_speculative_cap_is_48_without_the_flag_and_warned(served):
     from eagle3.engines import sglang as sg
-    from eagle3.evaluate.servers import cap_warnings
+    from eagle3.evaluate.sglang.servers import cap_warnings
 
     cfg, opened = served
     spec = sg.effective_settings(opened["speculative"].info)
@@ -165,9 +165,9 @@ def test_speculative_cap_is_48_without_the_flag_and_warned(served):
 
 
 def test_greedy_speculative_output_equals_baseline_and_tau_comes_from_meta_info(served):
-    from eagle3.evaluate.served import _diagnose
-    from eagle3.evaluate.served_measures import lossless_check, summarize
-    from eagle3.evaluate.served_sweeps import interleave_batch1
+    from eagle3.evaluate.sglang.evaluation import _diagnose
+    from eagle3.evaluate.measures import lossless_check, summarize
+    from eagle3.evaluate.sglang.sweeps import interleave_batch1
     from eagle3.target import load_tokenizer
 
     cfg, opened = served
@@ -290,9 +290,9 @@ def test_a_drafter_overfit_on_features_the_server_captured_reaches_tau_3_served(
     from hydra import compose as hydra_compose, initialize_config_dir
 
     from eagle3.cli import to_typed
-    from eagle3.evaluate.served_measures import summarize
-    from eagle3.evaluate.served_sweeps import interleave_batch1
-    from eagle3.evaluate.servers import open_server
+    from eagle3.evaluate.measures import summarize
+    from eagle3.evaluate.sglang.sweeps import interleave_batch1
+    from eagle3.evaluate.sglang.servers import open_server
     from eagle3.extract.run import run_extract
     from eagle3.target import load_tokenizer, render_prompt
     from eagle3.train.run import run_train

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3.evaluate.records import TurnRecord
-from eagle3.evaluate.teacher_forced import (
+from eagle3.evaluate.inprocess.records import TurnRecord
+from eagle3.evaluate.inprocess.teacher_forced import (
     _sample,
     chain_acceptance_rows,
     summarize_teacher_forced,

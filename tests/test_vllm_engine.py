@@ -25,9 +25,9 @@ from eagle3.engines.vllm import (
 )
 from eagle3.errors import Eagle3Error
 from loopback_http import QuietHandler, serve
-from eagle3.evaluate.served_vllm_measure import Pair
-from eagle3.evaluate.served_vllm_results import bootstrap_median_ci, lossless, pair_summary, speedup_statement
-from eagle3.evaluate.served_vllm_servers import check_servers
+from eagle3.evaluate.vllm.measure import Pair
+from eagle3.evaluate.vllm.results import bootstrap_median_ci, lossless, pair_summary, speedup_statement
+from eagle3.evaluate.vllm.servers import check_servers
 from eagle3.export import export_sglang, export_vllm, load_sglang_export, read_sglang_export, read_vllm_export
 from eagle3.target import engine_captured_ids
 from eagle3.model.drafter import DrafterArch, Eagle3Drafter
@@ -268,7 +268,7 @@ class _Refuses(QuietHandler):
 def test_a_failed_diagnosis_is_recorded_not_raised():
     """A server that refuses prompt_logprobs (``--max-logprobs`` below 20) must not end the
     evaluation: the mismatch keeps no gap, counts as changed, and says why."""
-    from eagle3.evaluate.served_vllm_measure import diagnose_mismatches
+    from eagle3.evaluate.vllm.measure import diagnose_mismatches
 
     with serve(_Refuses) as url:
         d = diagnose_mismatches(VLLMClient(url, max_retries=0), "target", {"b": [_pair("t", _c([5, 6]), _c([5, 9]))]})
@@ -277,8 +277,8 @@ def test_a_failed_diagnosis_is_recorded_not_raised():
 
 
 def test_diagnosis_asks_the_baseline_for_the_gap_at_each_mismatching_turn():
-    from eagle3.evaluate.served_vllm_measure import diagnose_mismatches
-    from eagle3.evaluate.served_vllm_results import pair_summary
+    from eagle3.evaluate.vllm.measure import diagnose_mismatches
+    from eagle3.evaluate.vllm.results import pair_summary
 
     _PromptLogprobs.bodies = []
     pairs = {"b": [_pair("t", _c([5, 6, 7]), _c([5, 9, 7])),          # gap |-0.70 - -0.82| = 0.12: a tie
@@ -328,7 +328,7 @@ def test_pair_summary_tau_and_speedup_from_hand_computed_counters():
 
 
 def test_a_claimed_speed_up_is_no_warning_but_an_unclaimable_one_and_a_changed_output_are():
-    from eagle3.evaluate.served_vllm_results import benchmark_warnings
+    from eagle3.evaluate.vllm.results import benchmark_warnings
 
     # every prompt 2x faster (interval [2, 2]): a result, not a warning
     fast = [_pair(s, _c(range(10), lat=2.0), _c(range(10), lat=1.0), drafts=4, acc=5, per=[3, 2, 0]) for s in "abcd"]
@@ -346,8 +346,8 @@ def test_a_claimed_speed_up_is_no_warning_but_an_unclaimable_one_and_a_changed_o
 
 def test_the_batch1_pairs_are_the_concurrency_1_row():
     # two benchmarks; baseline: (10 + 6) tokens in (2.0 + 1.0) s; speculative: (10 + 6) in (1.0 + 1.5) s
-    from eagle3.evaluate.served_vllm_measure import pairs_as_sweep
-    from eagle3.evaluate.served_vllm_results import concurrency_table
+    from eagle3.evaluate.vllm.measure import pairs_as_sweep
+    from eagle3.evaluate.vllm.results import concurrency_table
 
     pairs = {"x": [_pair("a", _c(range(10), lat=2.0), _c(range(10), lat=1.0), drafts=4, acc=5, per=[3, 2, 0]),
                    _pair("b", _c(range(6), lat=1.0), _c(range(6), lat=1.5), drafts=3, acc=2, per=[2, 0, 0])],
@@ -385,7 +385,7 @@ def test_bootstrap_interval_and_the_no_speedup_wording():
 
 
 def test_served_verdict_codes_an_interval_across_one_no_speedup_never_slower():
-    from eagle3.evaluate.served_vllm_results import benchmark_verdict
+    from eagle3.evaluate.vllm.results import benchmark_verdict
 
     base = {"acceptance_length": 1.9, "lossless_matches": 20, "lossless_checked": 20, "diversity": {"loops": False}}
     ci, stmt = (0.93, 1.04), speedup_statement(0.98, (0.93, 1.04))
@@ -572,7 +572,7 @@ class _FakeVLLM:
 
 
 def test_prompt_limit_is_the_servers_context_less_the_reply_or_max_prompt_tokens():
-    from eagle3.evaluate.served_measures import prompt_limit
+    from eagle3.evaluate.measures import prompt_limit
 
     assert prompt_limit([2048, 2048], 128, 2048) == (1920, "the servers' max_model_len 2048 less max_new_tokens 128")
     assert prompt_limit([4096, 2048], 128, 1000) == (1000, "max_prompt_tokens=1000")
@@ -583,7 +583,7 @@ def test_turns_too_long_for_the_servers_are_skipped_not_sent():
     """A ShareGPT prompt of 2,364 tokens against max_model_len 2048 stopped a served run with
     HTTP 400; such turns are now skipped (counted) and end their conversation."""
     from eagle3.errors import Eagle3Error
-    from eagle3.evaluate.served_vllm_measure import Servers, measure_pairs
+    from eagle3.evaluate.vllm.measure import Servers, measure_pairs
 
     render = lambda msgs: [1] * sum(len(m["content"]) for m in msgs)  # one token per character
     decode = lambda ids: "x" * len(ids)

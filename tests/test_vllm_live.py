@@ -137,7 +137,7 @@ def _check_tie_diagnosis(client, model_name: str, prompt_ids: list[int], out_ids
     from eagle3.config import HFEngineConfig
     from eagle3.engines.hf.engine import HFEngine
     from eagle3.engines.vllm import Completion, SpecCounters
-    from eagle3.evaluate.served_vllm_measure import Pair, diagnose_mismatches
+    from eagle3.evaluate.vllm.measure import Pair, diagnose_mismatches
 
     hf = HFEngine.from_config(_compose("extract", COMMON).model, HFEngineConfig(device="cpu"), str(ROOT / "data" / "models"))
     cap = hf.capture([list(prompt_ids) + list(out_ids)], 2)[0]

@@ -2,7 +2,7 @@
 and the tau table on the console.
 
 :func:`write_report` takes the results of either engine (``eagle3.evaluate.run`` for
-``hf``, ``eagle3.evaluate.served`` for ``sglang``): ``{"engine", "benchmarks": {name:
+``hf``, ``eagle3.evaluate.sglang.evaluation`` for ``sglang``): ``{"engine", "benchmarks": {name:
 {acceptance_length, acceptance_rate, verify_passes, generated_tokens,
 per_position_acceptance, tokens_per_s_spec, tokens_per_s_base, speedup,
 lossless_matches, diversity, ...}}, "speculative": {num_steps, topk,

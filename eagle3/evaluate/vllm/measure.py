@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from eagle3.engines.vllm import Completion, SpecCounters, VLLMClient, spec_counters
-from eagle3.evaluate.served_measures import SERVED_TIE_GAP, first_difference, gc_held, system_messages
+from eagle3.evaluate.measures import SERVED_TIE_GAP, first_difference, gc_held, system_messages
 
 log = logging.getLogger("eagle3")
 
@@ -127,7 +127,7 @@ def measure_pairs(servers: Servers, benchmarks: dict[str, list[dict]], render: C
     A turn whose rendered prompt is longer than ``max_prompt_tokens`` is not sent and ends
     its row (earlier turns are kept), as the in-process evaluation does; the count per
     benchmark goes to ``warnings`` with ``why`` (the limit's source,
-    :func:`eagle3.evaluate.served_measures.prompt_limit`).
+    :func:`eagle3.evaluate.measures.prompt_limit`).
 
     Args:
         benchmarks: name -> rows with ``id`` and ``messages``.
@@ -191,7 +191,7 @@ def pairs_as_sweep(pairs: dict[str, list[Pair]]) -> dict[str, dict[str, SweepRun
     the other server's requests and the ``/metrics`` reads between them), and the
     speculative run's counters are the sum of the per-request deltas. A concurrency-1 run
     would send every turn again, one at a time, and measure the same thing a second time;
-    the SGLang path does the same (:func:`eagle3.evaluate.served.pairs_as_sweep`).
+    the SGLang path does the same (:func:`eagle3.evaluate.sglang.evaluation.pairs_as_sweep`).
     ``order_index`` is -1: the two servers alternated which went first, prompt by prompt.
     """
     out: dict[str, dict[str, SweepRun]] = {r: {} for r in ROLES}
@@ -265,13 +265,13 @@ def diagnose_mismatches(client: VLLMClient, model: str, pairs: dict[str, list[Pa
     turn's prompt ids plus the baseline's output up to and including ``i``; its last entry
     is the server's distribution of that position. The gap is ``|logprob(baseline token) -
     logprob(speculative token)|`` (nats; equal to the logit gap, one softmax). Within
-    :data:`eagle3.evaluate.served_measures.SERVED_TIE_GAP` the two tokens tie within
+    :data:`eagle3.evaluate.measures.SERVED_TIE_GAP` the two tokens tie within
     rounding: a batched verify pass and a one-token decode step round differently
     (batch-variant kernels), which flips the argmax of near-equal logits without
     speculation changing anything. Every turn is asked (later turns carry the baseline's
     answers, so each turn is its own comparison), as the in-process check counts a prompt
     a tie only when all its differing turns are. The served analogue of the SGLang path's
-    :func:`eagle3.evaluate.served_sweeps.diagnose_mismatches`.
+    :func:`eagle3.evaluate.sglang.sweeps.diagnose_mismatches`.
 
     Returns:
         ``{(benchmark, sample_id, turn): {"position", "logit_gap", "tie"[, "error"]}}``;

@@ -5,7 +5,7 @@ Both servers are up at once (connected through ``engine.baseline_url`` /
 ``engine.speculative_url`` or launched here on ``engine.port`` and ``engine.port + 1``;
 ``engine.url`` / ``engine.urls`` are refused). First every prompt is sent to both at
 batch 1, prompt by prompt, alternating which server goes first
-(:func:`eagle3.evaluate.served_sweeps.interleave_batch1`): the headline tau, acceptance,
+(:func:`eagle3.evaluate.sglang.sweeps.interleave_batch1`): the headline tau, acceptance,
 tokens/s, the speed-up with a bootstrap 95% interval over prompts and, at temperature
 0, the lossless check (the speculative server's output ids equal the baseline's per
 prompt) come from these pairs. Then, for each server, each concurrency ``c`` of
@@ -33,10 +33,10 @@ The speculative server silently caps running requests at 48 unless
 effective cap is read back from ``/server_info`` and every tested concurrency above it
 gets a warning, since its throughput then measures the cap rather than the drafter.
 
-The parts, in the order the data flows: :mod:`eagle3.evaluate.servers` (opening and
-checking the servers), :mod:`eagle3.evaluate.served_sweeps` (the requests),
-:mod:`eagle3.evaluate.served_measures` (records and their measures),
-:mod:`eagle3.evaluate.served_results` (the results, the plot, the request log).
+The parts, in the order the data flows: :mod:`eagle3.evaluate.sglang.servers` (opening and
+checking the servers), :mod:`eagle3.evaluate.sglang.sweeps` (the requests),
+:mod:`eagle3.evaluate.measures` (records and their measures),
+:mod:`eagle3.evaluate.sglang.results` (the results, the plot, the request log).
 """
 
 from __future__ import annotations
@@ -48,10 +48,11 @@ from typing import Any, Optional
 
 from eagle3.engines import sglang as sg
 from eagle3.errors import Eagle3Error
-from eagle3.evaluate.served_results import PLOT_NAME, REQUESTS_NAME, build_results, plot_throughput, write_request_log
-from eagle3.evaluate.served_measures import lossless_check, prompt_limit
-from eagle3.evaluate.served_sweeps import diagnose_mismatches, interleave_batch1, sweep_server
-from eagle3.evaluate.servers import (
+from eagle3.evaluate.plots import PLOT_NAME, plot_throughput
+from eagle3.evaluate.sglang.results import REQUESTS_NAME, build_results, write_request_log
+from eagle3.evaluate.measures import lossless_check, prompt_limit
+from eagle3.evaluate.sglang.sweeps import diagnose_mismatches, interleave_batch1, sweep_server
+from eagle3.evaluate.sglang.servers import (
     ROLES,
     Server,
     cap_warnings,
@@ -82,7 +83,7 @@ def run_sglang_evaluation(cfg: Any, benchmarks: dict, export_meta: dict, output_
         "speculative": {...}, "warnings": [...], "plots": {...}}``.
 
     Raises:
-        Eagle3Error: ``engine.url`` / ``engine.urls`` set (:func:`eagle3.evaluate.servers.check_served_urls`),
+        Eagle3Error: ``engine.url`` / ``engine.urls`` set (:func:`eagle3.evaluate.sglang.servers.check_served_urls`),
             servers missing / unreachable / misconfigured, or a request that keeps failing.
     """
     from eagle3.target import load_tokenizer
@@ -141,7 +142,7 @@ def _open_checked(role: str, cfg: Any, out_dir: Path, export_meta: dict, concurr
 
 def _limit(cfg: Any, descs: list[dict]) -> tuple[Optional[int], str]:
     """The longest prompt the servers in ``descs`` take with room for the reply
-    (:func:`eagle3.evaluate.served_measures.prompt_limit` over their ``context_length``)."""
+    (:func:`eagle3.evaluate.measures.prompt_limit` over their ``context_length``)."""
     return prompt_limit([d.get("effective", {}).get("context_length") for d in descs], int(cfg.max_new_tokens),
                         getattr(cfg, "max_prompt_tokens", None), setting="context_length")
 
@@ -155,7 +156,7 @@ def fitting_rows(rows: dict[str, list[dict]], tokenizer, limit: Optional[int], w
     Raises:
         Eagle3Error: no prompt's first turn fits.
     """
-    from eagle3.evaluate.served_sweeps import first_turn_fits
+    from eagle3.evaluate.sglang.sweeps import first_turn_fits
 
     out = {}
     for name, rs in rows.items():

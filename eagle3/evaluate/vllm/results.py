@@ -1,6 +1,6 @@
 """The results of a vLLM served evaluation, in the report's shape (:mod:`eagle3.evaluate.report`).
 
-Per benchmark, from the batch-1 pairs (:func:`eagle3.evaluate.served_vllm_measure.measure_pairs`):
+Per benchmark, from the batch-1 pairs (:func:`eagle3.evaluate.vllm.measure.measure_pairs`):
 
 * tau = 1 + accepted / drafts and acceptance rate = accepted / draft tokens from the
   speculative server's own counters summed over its requests; per-position acceptance
@@ -13,7 +13,7 @@ Per benchmark, from the batch-1 pairs (:func:`eagle3.evaluate.served_vllm_measur
   first mismatch (turn, position, both tokens) and, at T=0, how many mismatching prompts
   differ only at rounding ties of the baseline server's two logits (``lossless_near_ties``);
 
-plus the concurrency table of :func:`eagle3.evaluate.served_vllm_measure.sweep_concurrency`
+plus the concurrency table of :func:`eagle3.evaluate.vllm.measure.sweep_concurrency`
 (speed-up = speculative / baseline output tokens/s over the run's wall time).
 """
 
@@ -24,8 +24,8 @@ from typing import Any, Optional
 
 from eagle3.engines.vllm import SpecCounters
 from eagle3.evaluate.metrics import diversity, ratio, verdict
-from eagle3.evaluate.served_measures import first_difference, percentiles_ms, pooled_ratio_interval
-from eagle3.evaluate.served_vllm_measure import ROLES, Pair, SweepRun
+from eagle3.evaluate.measures import first_difference, percentiles_ms, pooled_ratio_interval
+from eagle3.evaluate.vllm.measure import ROLES, Pair, SweepRun
 
 BOOTSTRAP_RESAMPLES = 2000
 MIN_PROMPTS_FOR_INTERVAL = 3
@@ -103,7 +103,7 @@ def lossless(pairs: list[Pair], diagnosis: Optional[dict] = None) -> tuple[int, 
 
     A mismatch is ``{sample_id, turn, position, baseline_token, speculative_token,
     baseline_len, speculative_len}``, with ``logit_gap`` and ``tie`` where ``diagnosis``
-    (:func:`eagle3.evaluate.served_vllm_measure.diagnose_mismatches`, keyed by
+    (:func:`eagle3.evaluate.vllm.measure.diagnose_mismatches`, keyed by
     ``(benchmark, sample_id, turn)``) has it; ``near ties`` counts the mismatching prompts
     whose every differing turn first differs at a rounding tie (as the in-process check).
     """

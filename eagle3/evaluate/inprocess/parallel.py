@@ -15,9 +15,8 @@ import re
 from pathlib import Path
 
 from eagle3.evaluate.benchmarks import benchmark_names
-from eagle3.evaluate.records import SAMPLES_FILE, TurnRecord, overall_summary, summarize_benchmark
-from eagle3.evaluate.report import write_report
-from eagle3.evaluate.resume import PARTIAL_DIR
+from eagle3.evaluate.inprocess.records import SAMPLES_FILE, TurnRecord, overall_summary, summarize_benchmark
+from eagle3.evaluate.inprocess.resume import PARTIAL_DIR
 from eagle3.paths import stage_output_dir
 from eagle3.spec import SpecSettings
 
@@ -29,7 +28,8 @@ WORKER_ENTRY = "eagle3.evaluate.run.run_evaluate"
 
 
 def run_evaluate_parallel(cfg, settings: SpecSettings) -> dict:
-    """``workers`` evaluation processes (hf engine), then one merged report.
+    """``workers`` evaluation processes (hf engine), then their merged results (the stage
+    writes them as one report).
 
     Worker ``w`` evaluates prompts ``w, w+N, ...`` of every benchmark on ``devices[w]``
     into ``output_dir/workers/W-of-N`` (a report of its own, and resumable partials);
@@ -69,7 +69,6 @@ def run_evaluate_parallel(cfg, settings: SpecSettings) -> dict:
     results["overall"] = overall_summary(records, settings)
     results["settings"].update(device=", ".join(devices), workers=n, resumed_benchmarks=[])
     results["warnings"] = _merged_warnings(reports, devices, n)
-    write_report(output_dir, results)
     return results
 
 

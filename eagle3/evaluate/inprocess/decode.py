@@ -19,9 +19,9 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from eagle3.errors import Eagle3Error
-from eagle3.evaluate.records import TurnRecord, summarize_benchmark
-from eagle3.evaluate.served_measures import gc_held
-from eagle3.evaluate.teacher_forced import teacher_forced_turn
+from eagle3.evaluate.inprocess.records import TurnRecord, summarize_benchmark
+from eagle3.evaluate.measures import gc_held
+from eagle3.evaluate.inprocess.teacher_forced import teacher_forced_turn
 from eagle3.spec import SpecSettings, SpeculativeDecoder, TargetRunner, target_generate
 
 #: a greedy mismatch counts as a numerical near-tie when the two tokens' target logits
@@ -222,7 +222,7 @@ def evaluate_hf(
         done: benchmarks already evaluated (resumed): ``{name: (records, warnings)}``.
         on_done: called with ``(name, records, warnings)`` after each benchmark.
         teacher_forced: replay every turn teacher-forced
-            (:func:`eagle3.evaluate.teacher_forced.teacher_forced_turn`; greedy chains
+            (:func:`eagle3.evaluate.inprocess.teacher_forced.teacher_forced_turn`; greedy chains
             with an EAGLE-3 drafter only, else ignored).
 
     Returns:

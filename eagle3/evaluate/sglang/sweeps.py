@@ -16,8 +16,8 @@ import time
 from typing import Optional
 
 from eagle3.engines import sglang as sg
-from eagle3.evaluate.served_measures import SERVED_TIE_GAP, Pairs, RequestRecord, gc_held, summarize, system_messages
-from eagle3.evaluate.servers import ROLES
+from eagle3.evaluate.measures import SERVED_TIE_GAP, Pairs, RequestRecord, gc_held, summarize, system_messages
+from eagle3.evaluate.sglang.servers import ROLES
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ def run_conversation(client: sg.SGLangClient, tokenizer, sample: dict, benchmark
     carry the decoded earlier answers); one :class:`RequestRecord` per turn.
 
     A turn whose rendered prompt is longer than ``max_prompt_tokens`` (tokens;
-    :func:`eagle3.evaluate.served_measures.prompt_limit`) is not sent and ends the
+    :func:`eagle3.evaluate.measures.prompt_limit`) is not sent and ends the
     conversation there (earlier turns are kept; none when it is the first); the sample id
     is then added to ``cuts[benchmark]``.
 
@@ -110,9 +110,9 @@ def interleave_batch1(clients: dict[str, sg.SGLangClient], tokenizer, benchmarks
 
     Returns:
         per benchmark, one ``(baseline records, speculative records)`` pair per prompt
-        (:data:`eagle3.evaluate.served_measures.Pairs`), for
-        :func:`~eagle3.evaluate.served_measures.paired_speedup` and
-        :func:`~eagle3.evaluate.served_measures.lossless_check`.
+        (:data:`eagle3.evaluate.measures.Pairs`), for
+        :func:`~eagle3.evaluate.measures.paired_speedup` and
+        :func:`~eagle3.evaluate.measures.lossless_check`.
 
     Raises:
         eagle3.engines.sglang.ServerUnavailable: a request that keeps failing.
@@ -184,11 +184,11 @@ def diagnose_mismatches(client: sg.SGLangClient, tokenizer, rows: dict[str, list
     """Add ``logit_gap`` and ``tie`` to each mismatch (in place): the baseline server is
     asked once for its top-20 log-probs after the prompt and the baseline's output up to
     the first differing position, and the two tokens' log-probs are compared (the
-    served analogue of :func:`eagle3.evaluate.inprocess.diagnose_mismatch`). A gap within
+    served analogue of :func:`eagle3.evaluate.inprocess.decode.diagnose_mismatch`). A gap within
     :data:`SERVED_TIE_GAP` is a flip of two nearly equal logits, not a changed output.
     A request that fails, or an answer without the two tokens' log-probs, leaves the
     mismatch a changed output with ``error`` saying why: the diagnosis never ends an
-    evaluation (as :func:`eagle3.evaluate.served_vllm_measure.diagnose_mismatches`).
+    evaluation (as :func:`eagle3.evaluate.vllm.measure.diagnose_mismatches`).
     """
     from eagle3.errors import Eagle3Error
     from eagle3.target import render_prompt

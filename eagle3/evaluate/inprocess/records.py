@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from eagle3.evaluate.teacher_forced import summarize_teacher_forced
+from eagle3.evaluate.inprocess.teacher_forced import summarize_teacher_forced
 from eagle3.evaluate.metrics import acceptance_summary, diversity, is_loop, longest_loop, ratio, tokens_per_second
 from eagle3.spec import SpecSettings
 
@@ -48,7 +48,7 @@ class TurnRecord:
     emitted: int
     accept_counts: list[int] = field(default_factory=list)
     mismatch: Optional[dict] = None  # see diagnose_mismatch (temperature 0 only)
-    teacher_forced: Optional[dict] = None  # see eagle3.evaluate.teacher_forced.teacher_forced_turn
+    teacher_forced: Optional[dict] = None  # see eagle3.evaluate.inprocess.teacher_forced.teacher_forced_turn
 
     @property
     def match(self) -> bool:
@@ -71,7 +71,7 @@ def summarize_benchmark(recs: Sequence[TurnRecord], settings: SpecSettings) -> d
         after the prefill), ``lossless_matches`` / ``lossless_checked`` /
         ``lossless_near_ties`` (prompts whose every turn matched; None unless greedy),
         ``first_mismatches``, ``diversity``, ``acceptance_length_non_looping``,
-        ``teacher_forced`` (:func:`eagle3.evaluate.teacher_forced.summarize_teacher_forced`),
+        ``teacher_forced`` (:func:`eagle3.evaluate.inprocess.teacher_forced.summarize_teacher_forced`),
         ``num_prompts``, ``num_turns``, ``output_tokens_spec`` / ``output_tokens_base``.
 
     Raises:
@@ -110,7 +110,7 @@ def summarize_benchmark(recs: Sequence[TurnRecord], settings: SpecSettings) -> d
 def _speedup_interval(recs: Sequence[TurnRecord]) -> Optional[list[float]]:
     """Bootstrap 95% interval over prompts of the pooled speed-up (the ratio ``speedup`` is),
     from each prompt's tokens and seconds of both decodings; None below 2 prompts."""
-    from eagle3.evaluate.served_measures import pooled_speedup
+    from eagle3.evaluate.measures import pooled_speedup
 
     by: dict[str, list[float]] = {}
     for r in recs:
@@ -125,7 +125,7 @@ def _speedup_interval(recs: Sequence[TurnRecord]) -> Optional[list[float]]:
 def _tau_interval(recs: Sequence[TurnRecord]) -> Optional[list[float]]:
     """Bootstrap 95% interval over prompts of tau (emitted tokens / verify passes, each
     prompt's turns summed); None below 2 prompts."""
-    from eagle3.evaluate.served_measures import pooled_ratio_interval
+    from eagle3.evaluate.measures import pooled_ratio_interval
 
     by: dict[str, list[float]] = {}
     for r in recs:

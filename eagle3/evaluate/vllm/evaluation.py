@@ -1,18 +1,13 @@
 """``engine=vllm``: the drafter's vLLM export served by a real vLLM server, against a baseline.
 
-:func:`run_vllm_stage` (called by :func:`eagle3.evaluate.run.run_evaluate`):
+:func:`evaluate_servers` (run by :class:`eagle3.evaluate.vllm.backend.VLLMBackend` once the
+export and its provenance are checked):
 
-1. reads and checks the export as vLLM will serve it (``<drafter_dir>/export/vllm``, or the
-   export folder given: :func:`eagle3.export.export_dir`; :func:`eagle3.export.read_vllm_export`:
-   files, ``d2t``, aux ids in vLLM's convention; an SGLang export is refused with the
-   ``export/vllm`` folder to use), its aux ids against the training features, its
-   provenance against the configured target (content hash, quantization, chat template)
-   and its sizes (:mod:`eagle3.export.provenance`);
-2. opens two servers at once (:mod:`eagle3.evaluate.served_vllm_servers`): a baseline (no
+1. opens two servers at once (:mod:`eagle3.evaluate.vllm.servers`): a baseline (no
    drafter) and a speculative one serving the export, and reads back their effective settings;
-3. measures batch-1 pairs and the concurrency sweep (:mod:`eagle3.evaluate.served_vllm_measure`),
-   builds the results (:mod:`eagle3.evaluate.served_vllm_results`), writes the report
-   (:func:`eagle3.evaluate.report.write_report`), the throughput plot and the request log.
+2. measures batch-1 pairs and the concurrency sweep (:mod:`eagle3.evaluate.vllm.measure`),
+   builds the results (:mod:`eagle3.evaluate.vllm.results`), writes the throughput plot
+   and the request log (the stage writes the report).
 """
 
 from __future__ import annotations
@@ -23,93 +18,10 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from eagle3.errors import Eagle3Error
 
 log = logging.getLogger("eagle3")
 
 REQUESTS_NAME = "vllm_requests.jsonl"
-
-
-def read_checked_export(cfg: Any, drafter_dir: Path, warnings: list[str]):
-    """The export at ``drafter_dir`` (the vLLM export folder, :func:`eagle3.export.export_dir`)
-    as vLLM serves it, its features and provenance checked; returns
-    ``(export, training manifest or None, target info, tokenizer)`` and extends ``warnings``.
-
-    Raises:
-        Eagle3Error: no export / a damaged one / an export for SGLang; aux ids that disagree
-            with the training features; a chat-template mismatch; a drafter that does not fit.
-    """
-    from eagle3.export.provenance import check_drafter_fits, check_export, load_train_manifest
-    from eagle3.export import read_vllm_export
-    from eagle3.target import chat_template_hash, load_tokenizer, resolve_target
-
-    d = Path(drafter_dir)
-    if not (d / "config.json").is_file():
-        raise Eagle3Error(f"no drafter export at {d} (config.json missing); run train.py first or set "
-                          "drafter_dir=<train output_dir>/export/vllm")
-    export = read_vllm_export(d)
-    manifest, w = load_train_manifest(export.meta, getattr(cfg, "train_features_dir", None))
-    warnings += w + check_feature_aux_ids(export, manifest, cfg.model.architecture)
-    info = resolve_target(cfg.model, cfg.cache_dir)
-    tokenizer = load_tokenizer(cfg.model, cfg.cache_dir, info)
-    warnings += check_export(export.meta, info, chat_template_hash(tokenizer))
-    check_drafter_fits(export.arch, export.meta, info, d)
-    return export, manifest, info, tokenizer
-
-
-def check_feature_aux_ids(export, manifest: Optional[dict], architecture: str) -> list[str]:
-    """:func:`eagle3.export.provenance.check_aux_ids` for a vLLM export: the ids vLLM
-    captures (as written) must be the trained ones and those of the training features.
-
-    Raises:
-        Eagle3Error: the config ids, the metadata and the training features disagree.
-    """
-    from eagle3.export.provenance import check_aux_ids
-
-    return check_aux_ids(export, manifest, architecture)
-
-
-def run_vllm_stage(cfg: Any, settings, warnings: list[str]) -> dict:
-    """``engine=vllm`` from the export to the report (module docstring); returns the results.
-
-    Args:
-        cfg: ``EvaluateConfig`` with ``engine`` a ``VLLMEngineConfig``.
-        settings: :class:`eagle3.spec.SpecSettings` (already validated).
-        warnings: the stage's warnings so far.
-
-    Raises:
-        Eagle3Error: as :func:`eagle3.export.export_dir`, :func:`read_checked_export`, :func:`open_servers`,
-            :func:`check_servers`, a bad ``concurrency`` list, benchmark problems, or a request that
-            keeps failing.
-    """
-    from eagle3.evaluate.benchmarks import benchmark_names, load_benchmarks, prompt_settings
-    from eagle3.evaluate.report import write_report
-    from eagle3.export import export_dir
-    from eagle3.paths import stage_output_dir
-
-    warnings = list(warnings)
-    if getattr(cfg.engine, "url", None):
-        raise Eagle3Error(f"engine.url={cfg.engine.url} names one server, but served evaluation compares two: pass "
-                          "engine.baseline_url (no drafter) and engine.speculative_url (serving the drafter), or "
-                          "neither to launch both here")
-    concurrency = sorted({int(c) for c in cfg.concurrency})
-    if not concurrency or min(concurrency) < 1:
-        raise Eagle3Error(f"concurrency {list(cfg.concurrency)} must list positive request counts, e.g. [1, 4, 16]")
-    if int(settings.topk) != 1:
-        warnings.append(f"vLLM's EAGLE-3 proposes a chain (topk 1); speculative.topk={settings.topk} is not used")
-    export, manifest, info, tokenizer = read_checked_export(cfg, export_dir(cfg.drafter_dir, "vllm"), warnings)
-    names = benchmark_names(cfg.data)
-    left_out: dict = {}
-    benchmarks = load_benchmarks(cfg, names, manifest, left_out)
-    output_dir = stage_output_dir(cfg)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    for w in warnings:
-        log.warning(w)
-    results = evaluate_servers(cfg, settings, export, info, tokenizer, benchmarks, concurrency, output_dir)
-    results["warnings"] = warnings + results["warnings"]
-    results["settings"].update(trained_on_left_out=left_out, **prompt_settings(cfg.data))
-    write_report(output_dir, results)
-    return results
 
 
 def _request_body(cfg: Any, tokenizer) -> dict:
@@ -128,17 +40,17 @@ def _request_body(cfg: Any, tokenizer) -> dict:
 def evaluate_servers(cfg: Any, settings, export, info, tokenizer, benchmarks: dict, concurrency: list[int],
                      output_dir: Path) -> dict:
     """Open both servers, measure, stop what was launched here; the results dict
-    (``engine: vllm``, the served results' shape, :mod:`eagle3.evaluate.served_vllm_results`).
+    (``engine: vllm``, the served results' shape, :mod:`eagle3.evaluate.vllm.results`).
 
     Raises:
-        Eagle3Error: as :func:`eagle3.evaluate.served_vllm_servers.open_servers` /
-            :func:`~eagle3.evaluate.served_vllm_servers.check_servers`, or a failing request.
+        Eagle3Error: as :func:`eagle3.evaluate.vllm.servers.open_servers` /
+            :func:`~eagle3.evaluate.vllm.servers.check_servers`, or a failing request.
     """
-    from eagle3.evaluate.served_results import PLOT_NAME, plot_throughput
-    from eagle3.evaluate.served_measures import prompt_limit, system_messages
-    from eagle3.evaluate.served_vllm_measure import (Servers, diagnose_mismatches, measure_pairs, pairs_as_sweep,
+    from eagle3.evaluate.plots import PLOT_NAME, plot_throughput
+    from eagle3.evaluate.measures import prompt_limit, system_messages
+    from eagle3.evaluate.vllm.measure import (Servers, diagnose_mismatches, measure_pairs, pairs_as_sweep,
                                                         sweep_concurrency, warm_up)
-    from eagle3.evaluate.served_vllm_servers import cap_warnings, check_servers, open_servers
+    from eagle3.evaluate.vllm.servers import cap_warnings, check_servers, open_servers
     from eagle3.target import render_prompt, resolve_target
 
     rows = {n: [dict(id=r["id"], messages=r["messages"]) for r in ds] for n, ds in benchmarks.items()}
@@ -180,9 +92,9 @@ def evaluate_servers(cfg: Any, settings, export, info, tokenizer, benchmarks: di
 def assemble(cfg: Any, settings, pairs: dict, sweep: dict, desc: dict, concurrency: list[int],
              warnings: list[str], drafter_dir: Path, diagnosis: Optional[dict] = None) -> dict:
     """The results dict from the measures (the report's shape, ``engine: vllm``); ``diagnosis``:
-    the near-tie test of the greedy mismatches (:func:`eagle3.evaluate.served_vllm_measure.diagnose_mismatches`);
+    the near-tie test of the greedy mismatches (:func:`eagle3.evaluate.vllm.measure.diagnose_mismatches`);
     ``drafter_dir``: the export folder served, recorded in ``settings``."""
-    from eagle3.evaluate.served_vllm_results import (benchmark_verdict, benchmark_warnings, concurrency_table,
+    from eagle3.evaluate.vllm.results import (benchmark_verdict, benchmark_warnings, concurrency_table,
                                                      pair_summary)
 
     spec_eff = desc["speculative"]["effective"]

@@ -134,7 +134,7 @@ def summarize_teacher_forced(records: Sequence) -> Optional[dict]:
     """Per-benchmark figures from turn records carrying ``teacher_forced`` (else None).
 
     Args:
-        records: :class:`eagle3.evaluate.records.TurnRecord` s; those whose
+        records: :class:`eagle3.evaluate.inprocess.records.TurnRecord` s; those whose
             ``teacher_forced`` is set (:func:`teacher_forced_turn`) are counted, with
             their ``accept_counts``.
 

@@ -3,8 +3,9 @@
 :func:`build_results` turns the two servers' sweeps into the report's results: per
 benchmark the hf report's keys measured at the lowest concurrency plus a ``concurrency``
 table (speed-up = speculative output tokens/s / baseline output tokens/s at the same
-concurrency), and the same table pooled over benchmarks. :func:`plot_throughput` draws
-that pooled table; :func:`write_request_log` keeps every measured request.
+concurrency), and the same table pooled over benchmarks
+(:func:`eagle3.evaluate.plots.plot_throughput` draws it); :func:`write_request_log` keeps every
+measured request.
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.evaluate.metrics import diversity, ratio
-from eagle3.evaluate.served_measures import (Pairs, RequestRecord, lossless_check, paired_speedup,
+from eagle3.evaluate.measures import (Pairs, RequestRecord, lossless_check, paired_speedup,
                                              pooled_ratio_interval, summarize)
-from eagle3.evaluate.servers import ROLES
+from eagle3.evaluate.plots import PLOT_NAME
+from eagle3.evaluate.sglang.servers import ROLES
 
-PLOT_NAME = "throughput_vs_concurrency.png"
 REQUESTS_NAME = "sglang_requests.jsonl"
 
 #: ``{role: {concurrency: {benchmark: (records, wall seconds)}}}``, as swept
@@ -42,14 +43,14 @@ def build_results(
     benchmark and aggregated over benchmarks.
 
     Args:
-        runs: both servers' sweeps (:func:`eagle3.evaluate.served_sweeps.sweep_server`).
+        runs: both servers' sweeps (:func:`eagle3.evaluate.sglang.sweeps.sweep_server`).
         servers: ``{role: Server.describe()}`` (the speculative server's effective
             ``speculative_*`` settings win over the configured ones).
         cfg: the ``EvaluateConfig`` (``concurrency``, ``speculative``, sampling, ``seed``).
         warnings: kept as the results' ``warnings`` (extended with a note per benchmark
             whose speed-up interval contains 1.0 or whose greedy outputs differ).
         paired: the interleaved batch-1 pairs
-            (:func:`eagle3.evaluate.served_sweeps.interleave_batch1`); the headline keys
+            (:func:`eagle3.evaluate.sglang.sweeps.interleave_batch1`); the headline keys
             come from them (tau, acceptance, tokens/s, ``speedup`` with
             ``speedup_interval``, ``lossless_matches`` at temperature 0). Without them
             the headline is the sweep's lowest concurrency and nothing is checked for
@@ -222,50 +223,6 @@ def _pooled_table(runs: Runs, names: list[str], conc: list[int], depth: int) -> 
         overall.append({"concurrency": c, "baseline": agg["baseline"], "speculative": agg["speculative"],
                         "speedup": ratio(agg["speculative"]["output_tokens_per_s"], agg["baseline"]["output_tokens_per_s"])})
     return overall
-
-
-def plot_throughput(results: dict, path: Path) -> Path:
-    """Output tokens/s versus concurrency for both servers (all benchmarks pooled), with
-    the speculative server's effective running-request cap marked; written atomically."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = results["concurrency"]
-    xs = [r["concurrency"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for role, style in (("baseline", "o-"), ("speculative", "s-")):
-        ys = [r[role]["output_tokens_per_s"] or 0.0 for r in rows]
-        ax.plot(xs, ys, style, label=f"{role}")
-    for r in rows:
-        if r["speedup"] is not None:
-            ax.annotate(f"x{r['speedup']:.2f}", (r["concurrency"], r["speculative"]["output_tokens_per_s"] or 0.0),
-                        textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
-    eff = results["servers"]["speculative"]["effective"]
-    caps = [v for v in (eff.get("max_running_requests"), eff.get("effective_max_running_requests")) if isinstance(v, int)]
-    if caps and min(caps) < max(xs):
-        ax.axvline(min(caps), ls="--", color="grey", lw=1)
-        ax.text(min(caps), ax.get_ylim()[1] * 0.95, f" cap {min(caps)}", color="grey", fontsize=8, va="top")
-    if len(xs) > 1 and min(xs) > 0:
-        ax.set_xscale("log", base=2)
-    ax.set_xticks(xs)
-    ax.set_xticklabels([str(x) for x in xs])
-    ax.set_xlabel("concurrent requests")
-    ax.set_ylabel("output tokens / s")
-    spec = results["speculative"]
-    engine = {"vllm": "vLLM"}.get(results.get("engine"), "SGLang")
-    ax.set_title(f"{engine} throughput (EAGLE-3 {spec['num_steps']}/{spec['topk']}/{spec['num_draft_tokens']})")
-    ax.margins(y=0.15)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    path = Path(path)
-    tmp = path.with_name(path.stem + ".tmp" + path.suffix)
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    os.replace(tmp, path)
-    return path
 
 
 def write_request_log(runs: dict, path: Path, paired: dict[str, Pairs] | None = None) -> None:

@@ -274,7 +274,7 @@ SERVED_TIE_GAP = 0.25
 
 def system_messages(sample: dict) -> list[dict]:
     """The sample's system messages, which lead every turn's prompt (as in process:
-    :func:`eagle3.evaluate.inprocess._user_turns`)."""
+    :func:`eagle3.evaluate.inprocess.decode._user_turns`)."""
     return [{"role": "system", "content": m["content"]} for m in sample["messages"] if m.get("role") == "system"]
 
 
@@ -292,14 +292,14 @@ def lossless_check(pairs: Pairs) -> dict:
     A prompt matches when every turn's output ids are equal. Every differing turn is listed:
     later turns carry the baseline's decoded earlier answers, so each turn is a comparison
     of its own, and a prompt counts as a near tie only when all its differing turns are
-    (as the in-process check, :func:`eagle3.evaluate.records.summarize_benchmark`).
+    (as the in-process check, :func:`eagle3.evaluate.inprocess.records.summarize_benchmark`).
 
     Returns:
         ``{"matches", "checked", "near_ties", "mismatches": [{"sample_id", "turn",
         "first_diff", "baseline_tokens", "speculative_tokens"[, "logit_gap", "tie"]}]}``;
         ``first_diff`` is the first output position whose ids differ (the shorter length
         when one output is a prefix of the other); ``logit_gap`` / ``tie`` where
-        :func:`eagle3.evaluate.served_sweeps.diagnose_mismatches` set a ``diagnosis`` on
+        :func:`eagle3.evaluate.sglang.sweeps.diagnose_mismatches` set a ``diagnosis`` on
         the baseline record; ``near_ties`` counts the mismatching prompts whose every
         differing turn is a tie.
     """

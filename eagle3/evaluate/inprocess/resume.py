@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Optional, Sequence
 
-from eagle3.evaluate.records import TurnRecord
+from eagle3.evaluate.inprocess.records import TurnRecord
 from eagle3.spec import SpecSettings
 
 log = logging.getLogger("eagle3")

@@ -1,0 +1,1 @@
+"""``engine=hf``: evaluation in this process (:mod:`eagle3.evaluate.inprocess.backend`)."""
