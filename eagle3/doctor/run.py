@@ -4,7 +4,7 @@
 ``drafter_dir`` for the serving engine (:func:`eagle3.export.export_dir`: a training run's
 folder gives its ``export/sglang`` or ``export/vllm``; an export folder is checked as given)
 row by row (:mod:`eagle3.doctor.checks`: schema, ``tie_word_embeddings``, ``d2t``;
-:mod:`eagle3.doctor.aux`: the aux layer ids under the serving engine's rule;
+:mod:`eagle3.doctor.aux_ids`: the aux layer ids under the serving engine's rule;
 :mod:`eagle3.doctor.provenance`: chat template, target build and quantization, compute
 dtype), runs the acceptance probe when ``doctor.probe`` (:mod:`eagle3.doctor.probe`),
 prints the table, writes ``<output_dir>/doctor.json`` and exits 1 when a row failed.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from eagle3.doctor.aux import check_aux, serving_engine
+from eagle3.doctor.aux_ids import check_aux, serving_engine
 from eagle3.doctor.checks import ExportFiles, check_d2t, check_loads, check_schema, failed, row
 from eagle3.doctor.probe import probe_rows
 from eagle3.doctor.provenance import provenance_rows
