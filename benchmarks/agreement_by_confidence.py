@@ -8,7 +8,7 @@ and renormalised, so a little above the full-vocabulary probability). Prints, pe
 confidence bin, the share of rows, the drafter's agreement and the share of all its misses.
 
 If the misses sit where the target itself hesitates between tokens, more data of the same kind
-and a wider drafter can only chip at them (docs/results.md, the learning curve of 2026-12-04);
+and a wider drafter can only chip at them (docs/notebook/results.md, the learning curve of 2026-12-04);
 if they sit where the target is sure, the drafter is missing information it could have.
 
     python benchmarks/agreement_by_confidence.py --features <features folder> \\

@@ -5,7 +5,7 @@ memory-mapped), collates it (:class:`eagle3.train.ttt.TTTCollator`: padding, non
 check, loss rows and target distributions of every TTT step) in ``loop.num_workers``
 DataLoader workers, and, on CUDA, pins it and copies it to the GPU in the main process.
 When that path delivers fewer batches per second than the GPU trains, the GPU waits (a
-one-layer drafter on one H200 trains 14-17 steps/s, docs/results.md). This benchmark
+one-layer drafter on one H200 trains 14-17 steps/s, docs/notebook/results.md). This benchmark
 writes a features folder of synthetic samples in the real on-disk format and times:
 
 * ``read``: ``ds[i]`` for every sample of a batch (one process);

@@ -18,21 +18,21 @@
 # sweep (not in the default STAGES): SWEEP's Hydra multirun overrides (default: the drafter's
 # FFN width, 1536 and 6144), trained one recipe at a time, each evaluated; run trainings one
 # at a time: three sharing one H200 ran at 2.4 steps/s each against 12-14.5 alone
-# (docs/results.md, 2026-12-04). With a time budget: TRAIN_OVERRIDES="loop.time_limit_min=6".
+# (docs/notebook/results.md, 2026-12-04). With a time budget: TRAIN_OVERRIDES="loop.time_limit_min=6".
 # A learning curve (what more data would buy): SWEEP="loop.train_fraction=0.25,0.5,1.0" with a fixed
 # TRAIN_OVERRIDES="loop.max_steps=..." (the FFN width was measured not to be the lever, 2026-12-04;
 # measured at 4,272 steps the same day: +0.110 replay tau for the last doubling, diminishing;
-# python -m eagle3.train.curve <run>/metrics.json ... tabulates and plots it).
+# python -m eagle3.sweep.curve <run>/metrics.json ... tabulates and plots it).
 # A regulariser for the training/validation gap: SWEEP="drafter.feature_noise=0,0.05,0.1" (0.1 measured:
-# no gain, docs/results.md).
+# no gain, docs/notebook/results.md).
 # TTT step weights (every full-size run so far: drafter=ttt3, weights 1.0; 0.5 and TTT 5 measured small on
-# CPU: no decoded difference, docs/results.md 2026-12-05): SWEEP="drafter.step_weight=0.8,1.0".
+# CPU: no decoded difference, docs/notebook/results.md 2026-12-05): SWEEP="drafter.step_weight=0.8,1.0".
 # The loss's target temperature (0.2 / 0.5 / 2 validated worse than 1 on CPU, decoded tau unchanged):
 # SWEEP="drafter.target_temperature=0.5,1".
 # Longer training (tried 2026-12-05, fifteenth session, one H100: 8,544 steps against 4,272 moved held-out
-# tau by -0.11 to +0.08, inside every interval; docs/results.md): TRAIN_OVERRIDES="loop.max_steps=8544".
+# tau by -0.11 to +0.08, inside every interval; docs/notebook/results.md): TRAIN_OVERRIDES="loop.max_steps=8544".
 # Drafter depth (the width was not the lever; a second decoder layer adds attention, and both
-# engines serve it, docs/results.md 2026-12-05 tenth session): SWEEP="drafter.num_layers=1,2".
+# engines serve it, docs/notebook/results.md 2026-12-05, eleventh session): SWEEP="drafter.num_layers=1,2".
 # bench_train_compile and bench_loader (not in the default STAGES): loop.compile_drafter and loop.fused_loss timed against eager,
 # and the batches/s the training data path delivers (is it what holds the first ~1,500 steps at 2-5 steps/s?).
 # bench_shapes (not in the default STAGES): the slow start (the first ~500 steps at about a third of the
@@ -50,17 +50,17 @@
 # planned by turn count; every turn (MAX_TURNS=null) is slow: docs/performance.md.
 # extract_sampled (not in the default STAGES) answers the same ShareGPT prompts once more at
 # temperature SAMPLED_TEMPERATURE (SAMPLED_TURNS turns, default 1) into $RUN/features-sampled; train then
-# reads it too (the best recipe so far: docs/results.md, 2026-12-03, third session):
+# reads it too (the recipe of docs/notebook/results.md, 2026-12-03, third session):
 #   STAGES="extract extract_gsm8k extract_sampled train evaluate timing" MAX_TURNS=2 bash scripts/h200.sh
 # More data of the same kind: SAMPLED_SEEDS="1 2 3" answers them once per seed (seed 1 into
 # features-sampled, seed s into features-sampled-s<s>); train reads every one that finished.
 # extract_humaneval (not in the default STAGES): code prompts, the only ones offline being HumanEval's: half of
 # them (data.test_fraction=0.5: 84 to train on, 80 held out, which evaluation then scores), one reply per seed
 # in HUMANEVAL_SEEDS (0 = greedy, others sampled at SAMPLED_TEMPERATURE) into $RUN/features-humaneval-s<seed>.
-# Measured at full size (docs/results.md, 2026-12-05): HumanEval tau 2.35 on the held-out half, the other
+# Measured at full size (docs/notebook/results.md, 2026-12-05): HumanEval tau 2.35 on the held-out half, the other
 # benchmarks unchanged; worth its 2.5% of the generated tokens.
 # GPU memory: each ShareGPT replica (engine.max_batch_tokens=32768) holds about 14.5 GB; 14 replicas of several
-# extractions at once fit one H200 but not an 80 GB H100 (docs/results.md, thirteenth session). A replica that runs
+# extractions at once fit one H200 but not an 80 GB H100 (docs/notebook/results.md, thirteenth session). A replica that runs
 # out of memory halves its batch limits and goes on (eagle3/engines/hf/oom.py); fewer replicas run faster than that.
 # A time-boxed GPU: DEADLINE=<epoch seconds> caps training with loop.time_limit_min so that
 # EVAL_RESERVE seconds (default 300) are left, and stops evaluation at the deadline.

@@ -1,6 +1,6 @@
 """The build record of a target folder (eagle3_build.json) and the content-hash checks that name it.
 
-GPTQ builds differ between machines (docs/results.md: the same command gave another content
+GPTQ builds differ between machines (docs/notebook/results.md: the same command gave another content
 hash on an AVX-512 CPU than on an AVX2 CPU or an H200), so a hash that differs must say where
 each build was made and what to copy."""
 

@@ -11,7 +11,7 @@ Why: the GPTQ build is not reproducible across machines. The same command gave o
 hash on an AVX2 CPU and on an H200, and another on an AVX-512 CPU, with 10.5% of the int4
 weights one quantization step apart (GPTQ calibrates each layer on the outputs of the
 layers already quantized, so float-rounding differences of the first layers compound;
-docs/results.md). The round-to-nearest build and the dense folders hash the same
+docs/notebook/results.md). The round-to-nearest build and the dense folders hash the same
 everywhere. So a content hash that differs is reported with both records and the fix:
 copy the built folder from the machine the features were extracted on, do not rebuild it.
 """
@@ -110,7 +110,7 @@ def hash_mismatch_advice(recorded: Optional[dict], here: Optional[dict], folder:
         recorded.get(k) == here.get(k) for k in ("cpu", "cpu_capability", "gpu"))
     why = ("the same machine built different bytes: the source or the build settings changed"
            if same_machine else
-           "a GPTQ build differs between machines (CPU instruction set, GPU; docs/results.md), so rebuilding "
+           "a GPTQ build differs between machines (CPU instruction set, GPU; docs/notebook/results.md), so rebuilding "
            "elsewhere does not reproduce it")
     return (f"{subject} was {describe(recorded)}; this one was {describe(here)}: {why}. Copy the "
             f"folder {name} (and its eagle3_build.json) from the machine that extracted the features into this "

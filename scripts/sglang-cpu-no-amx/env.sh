@@ -5,6 +5,6 @@
 # falls back to torch_native, which has no EAGLE ("EAGLE is not supported in decode attention
 # backend torch_native"). The sitecustomize.py next to this file makes torch report AMX tiles
 # in the server's Python, so intel_amx (whose CPU kernels are AVX-512 code, no AMX tile
-# instructions in sgl_kernel's common_ops) is kept. Measured: docs/results.md, 2026-12-04.
+# instructions in sgl_kernel's common_ops) is kept. Measured: docs/notebook/results.md, 2026-12-04.
 . "${1:?usage: . env.sh SGLANG_CPU_DIR VENV}/env.sh" "${2:?usage: . env.sh SGLANG_CPU_DIR VENV}"
 export PYTHONPATH="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
