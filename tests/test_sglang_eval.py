@@ -352,7 +352,7 @@ def _rec(sample_id: str, tokens: int, seconds: float, ids=None, turn: int = 0) -
 
 
 def test_paired_speedup_and_its_bootstrap_interval_by_hand():
-    from eagle3.evaluate.measures import paired_speedup
+    from eagle3.evaluate.turns import paired_speedup
 
     # every prompt runs exactly twice as fast with speculation: every resample gives 2
     pairs = [([_rec("a", 10, 1.0)], [_rec("a", 10, 0.5)]), ([_rec("b", 20, 4.0)], [_rec("b", 20, 2.0)])]
@@ -412,7 +412,7 @@ def test_inprocess_summary_gives_tau_an_interval_over_prompts():
 
 
 def test_lossless_check_names_the_first_differing_position():
-    from eagle3.evaluate.measures import lossless_check
+    from eagle3.evaluate.turns import lossless_check
 
     same = ([_rec("a", 3, 1.0, [5, 6, 7])], [_rec("a", 3, 1.0, [5, 6, 7])])
     differs = ([_rec("b", 3, 1.0, [5, 6, 7]), _rec("b", 2, 1.0, [1, 2], turn=1)],

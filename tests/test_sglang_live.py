@@ -166,7 +166,8 @@ def test_speculative_cap_is_48_without_the_flag_and_warned(served):
 
 def test_greedy_speculative_output_equals_baseline_and_tau_comes_from_meta_info(served):
     from eagle3.evaluate.sglang.evaluation import _diagnose
-    from eagle3.evaluate.measures import lossless_check, summarize
+    from eagle3.evaluate.measures import summarize
+    from eagle3.evaluate.turns import lossless_check
     from eagle3.evaluate.sglang.sweeps import interleave_batch1
     from eagle3.target import load_tokenizer
 

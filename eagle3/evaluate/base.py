@@ -33,6 +33,8 @@ class StageInputs:
             :func:`eagle3.export.read_vllm_export`; ``.meta`` its ``eagle3_meta.json``).
         drafter_dir: the export folder read (:func:`eagle3.export.export_dir`).
         manifest: the training features' manifest (:func:`eagle3.export.provenance.load_train_manifest`), or None.
+        output_dir: the stage's output folder (:func:`eagle3.paths.stage_output_dir`; created by
+            the backend once its inputs are checked).
         warnings: the stage's warnings so far (settings notes, provenance of the features).
     """
 
@@ -40,6 +42,7 @@ class StageInputs:
     export: Any
     drafter_dir: Path
     manifest: Optional[dict]
+    output_dir: Path
     warnings: list[str] = field(default_factory=list)
 
     @property

@@ -150,44 +150,13 @@ def summarize(records: list[RequestRecord], duration_s: float, positions: int | 
 Pairs = list[tuple[list[RequestRecord], list[RequestRecord]]]
 
 
-def _tokens_seconds(pairs: Pairs) -> "Any":
-    """``[n, 4]`` float64: per prompt baseline tokens, baseline seconds, speculative
-    tokens, speculative seconds (request latencies summed over the prompt's turns)."""
-    import numpy as np
-
-    return np.asarray([[sum(r.completion_tokens for r in b), sum(r.latency_s for r in b),
-                        sum(r.completion_tokens for r in s), sum(r.latency_s for r in s)] for b, s in pairs],
-                      dtype=np.float64).reshape(-1, 4)
-
-
-def paired_speedup(pairs: Pairs, resamples: int = 2000, level: float = 0.95, seed: int = 0) -> dict:
-    """Speed-up of batch-1 requests sent to both servers prompt by prompt, with a
-    bootstrap interval over prompts.
-
-    The point estimate is the ratio of the pooled output rates, (sum of speculative
-    tokens / sum of speculative request seconds) / (the same for the baseline), request
-    seconds measured from sending to the last streamed chunk (prefill included, as
-    ``sglang.bench_serving`` times a request). The interval is the percentile bootstrap
-    (Efron & Tibshirani 1993, ch. 13): ``resamples`` draws of the prompts with
-    replacement (numpy generator seeded with ``seed``), the same ratio on each draw, the
-    ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles.
-
-    Returns:
-        ``{"speedup", "interval": [lo, hi] | None, "level", "resamples", "prompts",
-        "tokens_per_s_base", "tokens_per_s_spec", "significant"}``; ``significant`` is
-        True when the interval excludes 1.0 (a speed-up, or a slow-down, beyond the
-        prompt-to-prompt noise), None without an interval (fewer than 2 prompts).
-    """
-    return pooled_speedup(_tokens_seconds(pairs), resamples, level, seed)
-
-
 def pooled_speedup(a, resamples: int = 2000, level: float = 0.95, seed: int = 0) -> dict:
-    """The pooled-rate speed-up of :func:`paired_speedup` and its percentile bootstrap interval
+    """The pooled-rate speed-up of :func:`eagle3.evaluate.turns.paired_speedup` and its percentile bootstrap interval
     from a ``[n, 4]`` array of per-prompt baseline tokens, baseline seconds, speculative tokens,
     speculative seconds (served requests, or in-process decodings of the same prompts).
 
     Returns:
-        The dict of :func:`paired_speedup`.
+        The dict of :func:`eagle3.evaluate.turns.paired_speedup`.
     """
     import numpy as np
 
@@ -284,40 +253,3 @@ def first_difference(a: list[int], b: list[int]) -> Optional[int]:
     if a == b:
         return None
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
-def lossless_check(pairs: Pairs) -> dict:
-    """Whether the speculative server's greedy output equals the baseline's, per prompt.
-
-    A prompt matches when every turn's output ids are equal. Every differing turn is listed:
-    later turns carry the baseline's decoded earlier answers, so each turn is a comparison
-    of its own, and a prompt counts as a near tie only when all its differing turns are
-    (as the in-process check, :func:`eagle3.evaluate.inprocess.records.summarize_benchmark`).
-
-    Returns:
-        ``{"matches", "checked", "near_ties", "mismatches": [{"sample_id", "turn",
-        "first_diff", "baseline_tokens", "speculative_tokens"[, "logit_gap", "tie"]}]}``;
-        ``first_diff`` is the first output position whose ids differ (the shorter length
-        when one output is a prefix of the other); ``logit_gap`` / ``tie`` where
-        :func:`eagle3.evaluate.sglang.sweeps.diagnose_mismatches` set a ``diagnosis`` on
-        the baseline record; ``near_ties`` counts the mismatching prompts whose every
-        differing turn is a tie.
-    """
-    matches, near, mismatches = 0, 0, []
-    for base, spec in pairs:
-        bad = []
-        for b, s in zip(base, spec):
-            first = first_difference(b.output_ids, s.output_ids)
-            if first is not None:
-                bad.append({"sample_id": b.sample_id, "turn": b.turn, "first_diff": first,
-                            "baseline_tokens": len(b.output_ids), "speculative_tokens": len(s.output_ids),
-                            **(getattr(b, "diagnosis", None) or {})})
-        if not bad and len(base) != len(spec):
-            bad.append({"sample_id": base[0].sample_id if base else None, "turn": min(len(base), len(spec)),
-                        "first_diff": 0, "baseline_tokens": None, "speculative_tokens": None})
-        if not bad:
-            matches += 1
-        else:
-            mismatches += bad
-            near += all(m.get("tie") for m in bad)
-    return {"matches": matches, "checked": len(pairs), "mismatches": mismatches, "near_ties": near}

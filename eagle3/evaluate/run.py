@@ -76,7 +76,7 @@ def run_evaluate(cfg) -> dict:
         warnings += backend.check(settings)  # before any file is read or written
         inputs = read_inputs(cfg, backend, settings, warnings)
         results = backend.run(inputs)
-    write_report(stage_output_dir(cfg), results)
+    write_report(inputs.output_dir, results)
     return results
 
 
@@ -94,4 +94,4 @@ def read_inputs(cfg, backend, settings: SpecSettings, warnings: list[str]) -> St
     export = backend.read_export(drafter_dir)
     manifest, w = load_train_manifest(export.meta, getattr(cfg, "train_features_dir", None))
     warnings = warnings + w + check_aux_ids(export, manifest, cfg.model.architecture)
-    return StageInputs(settings, export, drafter_dir, manifest, warnings)
+    return StageInputs(settings, export, drafter_dir, manifest, stage_output_dir(cfg), warnings)

@@ -20,7 +20,6 @@ from eagle3.evaluate.inprocess.parallel import run_evaluate_parallel
 from eagle3.evaluate.inprocess.records import SAMPLES_FILE, overall_summary, write_samples
 from eagle3.evaluate.inprocess.resume import benchmark_keys, load_finished, save_partial
 from eagle3.export.provenance import check_drafter_fits, check_export, feature_dtype_warning
-from eagle3.paths import stage_output_dir
 from eagle3.spec import build_decoder
 
 log = logging.getLogger("eagle3")
@@ -122,7 +121,7 @@ def evaluate_in_process(cfg, inputs: StageInputs) -> dict:
     settings, drafter_dir, manifest = inputs.settings, inputs.drafter_dir, inputs.manifest
     warnings = list(inputs.warnings)
     names = benchmark_names(cfg.data)
-    output_dir = stage_output_dir(cfg)
+    output_dir = inputs.output_dir
     output_dir.mkdir(parents=True, exist_ok=True)
     left_out: dict = {}
     benchmarks = load_benchmarks(cfg, names, manifest, left_out)  # a bad prompt file stops here, before the load

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from eagle3.evaluate.inprocess.teacher_forced import summarize_teacher_forced
+from eagle3.evaluate.turns import DecodedTurn, lossless_turns, pooled_turn_speedup, tau_interval
 from eagle3.evaluate.metrics import acceptance_summary, diversity, is_loop, longest_loop, ratio, tokens_per_second
 from eagle3.spec import SpecSettings
 
@@ -55,6 +56,14 @@ class TurnRecord:
         """Whether both decodings produced the same tokens (the lossless check)."""
         return self.spec_tokens == self.base_tokens
 
+    def decoded(self) -> DecodedTurn:
+        """This turn as the shared measures read it (:class:`eagle3.evaluate.turns.DecodedTurn`:
+        tau = emitted tokens / verify passes; the mismatch diagnosis as ``diagnosis``)."""
+        return DecodedTurn(self.benchmark, self.sample_id, self.turn, self.spec_tokens, self.base_tokens,
+                           len(self.spec_tokens), len(self.base_tokens), self.spec_seconds, self.base_seconds,
+                           self.emitted, self.verify_passes, bool(self.mismatch and self.mismatch.get("tie")),
+                           self.mismatch)
+
 
 def summarize_benchmark(recs: Sequence[TurnRecord], settings: SpecSettings) -> dict:
     """Report fields of one benchmark from its turn records.
@@ -84,8 +93,9 @@ def summarize_benchmark(recs: Sequence[TurnRecord], settings: SpecSettings) -> d
     out["tokens_per_s_spec"] = tokens_per_second(spec_tok, sum(r.spec_seconds for r in recs))
     out["tokens_per_s_base"] = tokens_per_second(base_tok, sum(r.base_seconds for r in recs))
     out["speedup"] = ratio(out["tokens_per_s_spec"], out["tokens_per_s_base"])
-    out["speedup_interval"] = _speedup_interval(recs)
-    out["acceptance_length_interval"] = _tau_interval(recs)
+    turns = [r.decoded() for r in recs]
+    out["speedup_interval"] = pooled_turn_speedup(turns)["interval"]
+    out["acceptance_length_interval"] = tau_interval(turns)
     # decode only: tokens after the first / time after the prefill (the prefill is the same work in both)
     out["decode_tokens_per_s_spec"] = tokens_per_second(
         spec_tok - len(recs), sum(r.spec_seconds - r.spec_prefill_seconds for r in recs))
@@ -93,7 +103,7 @@ def summarize_benchmark(recs: Sequence[TurnRecord], settings: SpecSettings) -> d
         base_tok - len(recs), sum(r.base_seconds - r.base_prefill_seconds for r in recs))
     out["decode_speedup"] = ratio(out["decode_tokens_per_s_spec"], out["decode_tokens_per_s_base"])
     prompts = {r.sample_id for r in recs}
-    out.update(_lossless(recs, prompts, settings.greedy))
+    out.update(_lossless(turns, settings.greedy))
     outputs = [r.spec_tokens for r in recs]
     out["diversity"] = diversity(outputs)
     clean = [r for r in recs if not is_loop(r.spec_tokens, longest_loop(r.spec_tokens)[0])]
@@ -107,55 +117,17 @@ def summarize_benchmark(recs: Sequence[TurnRecord], settings: SpecSettings) -> d
     return out
 
 
-def _speedup_interval(recs: Sequence[TurnRecord]) -> Optional[list[float]]:
-    """Bootstrap 95% interval over prompts of the pooled speed-up (the ratio ``speedup`` is),
-    from each prompt's tokens and seconds of both decodings; None below 2 prompts."""
-    from eagle3.evaluate.measures import pooled_speedup
-
-    by: dict[str, list[float]] = {}
-    for r in recs:
-        row = by.setdefault(r.sample_id, [0.0, 0.0, 0.0, 0.0])
-        row[0] += len(r.base_tokens)
-        row[1] += r.base_seconds
-        row[2] += len(r.spec_tokens)
-        row[3] += r.spec_seconds
-    return pooled_speedup(list(by.values()))["interval"]
-
-
-def _tau_interval(recs: Sequence[TurnRecord]) -> Optional[list[float]]:
-    """Bootstrap 95% interval over prompts of tau (emitted tokens / verify passes, each
-    prompt's turns summed); None below 2 prompts."""
-    from eagle3.evaluate.measures import pooled_ratio_interval
-
-    by: dict[str, list[float]] = {}
-    for r in recs:
-        row = by.setdefault(r.sample_id, [0.0, 0.0])
-        row[0] += r.emitted
-        row[1] += r.verify_passes
-    return pooled_ratio_interval(list(by.values()))
-
-
-def _lossless(recs: Sequence[TurnRecord], prompts: set[str], greedy: bool) -> dict:
-    """The lossless-check fields of :func:`summarize_benchmark` (None unless greedy)."""
-    out: dict = {}
-    if greedy:
-        ok = {sid: True for sid in prompts}
-        tie = {sid: True for sid in prompts}
-        for r in recs:
-            ok[r.sample_id] = ok[r.sample_id] and r.match
-            tie[r.sample_id] = tie[r.sample_id] and (r.match or bool(r.mismatch and r.mismatch.get("tie")))
-        out["lossless_matches"] = sum(ok.values())
-        out["lossless_checked"] = len(prompts)
-        # prompts that differ only where the target's top two logits tie within rounding
-        out["lossless_near_ties"] = sum(tie[sid] and not ok[sid] for sid in prompts)
-        # up to 10 turns' first mismatches, those that are not ties first (the ones to look at)
-        mism = [{"id": r.sample_id, "turn": r.turn, **(r.mismatch or {})} for r in recs if not r.match]
-        out["first_mismatches"] = sorted(mism, key=lambda m: bool(m.get("tie")))[:10]
-    else:
-        out["lossless_matches"] = None
-        out["lossless_checked"] = None
-        out["lossless_near_ties"] = None
-    return out
+def _lossless(turns: Sequence[DecodedTurn], greedy: bool) -> dict:
+    """The lossless-check fields of :func:`summarize_benchmark` (None unless greedy;
+    :func:`eagle3.evaluate.turns.lossless_turns`)."""
+    if not greedy:
+        return {"lossless_matches": None, "lossless_checked": None, "lossless_near_ties": None}
+    ll = lossless_turns(turns)
+    # up to 10 turns' first mismatches, those that are not ties first (the ones to look at)
+    mism = [{"id": t.sample_id, "turn": t.turn, **(t.diagnosis or {})} for t in ll.mismatched]
+    # near ties: prompts that differ only where the target's top two logits tie within rounding
+    return {"lossless_matches": ll.matches, "lossless_checked": ll.checked, "lossless_near_ties": ll.near_ties,
+            "first_mismatches": sorted(mism, key=lambda m: bool(m.get("tie")))[:10]}
 
 
 def overall_summary(records: Sequence[TurnRecord], settings: SpecSettings) -> dict:

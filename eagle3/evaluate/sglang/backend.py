@@ -7,7 +7,6 @@ import logging
 
 from eagle3.evaluate.base import Backend, StageInputs
 from eagle3.evaluate.benchmarks import benchmark_names, load_benchmarks, prompt_settings
-from eagle3.paths import stage_output_dir
 
 log = logging.getLogger("eagle3")
 
@@ -43,7 +42,7 @@ class SGLangBackend(Backend):
 
         cfg = self.cfg
         names = benchmark_names(cfg.data)
-        output_dir = stage_output_dir(cfg)
+        output_dir = inputs.output_dir
         output_dir.mkdir(parents=True, exist_ok=True)
         info = resolve_target(cfg.model, cfg.cache_dir)
         tokenizer = load_tokenizer(cfg.model, cfg.cache_dir, info)

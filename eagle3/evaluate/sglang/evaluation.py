@@ -50,8 +50,9 @@ from eagle3.engines import sglang as sg
 from eagle3.errors import Eagle3Error
 from eagle3.evaluate.plots import PLOT_NAME, plot_throughput
 from eagle3.evaluate.sglang.results import REQUESTS_NAME, build_results, write_request_log
-from eagle3.evaluate.measures import lossless_check, prompt_limit
+from eagle3.evaluate.measures import prompt_limit
 from eagle3.evaluate.sglang.sweeps import diagnose_mismatches, interleave_batch1, sweep_server
+from eagle3.evaluate.turns import lossless_check
 from eagle3.evaluate.sglang.servers import (
     ROLES,
     Server,

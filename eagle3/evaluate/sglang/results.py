@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.evaluate.metrics import diversity, ratio
-from eagle3.evaluate.measures import (Pairs, RequestRecord, lossless_check, paired_speedup,
-                                             pooled_ratio_interval, summarize)
+from eagle3.evaluate.measures import Pairs, RequestRecord, summarize
 from eagle3.evaluate.plots import PLOT_NAME
 from eagle3.evaluate.sglang.servers import ROLES
+from eagle3.evaluate.turns import lossless_check, paired_speedup, served_pair_turns, served_turn, tau_interval
 
 REQUESTS_NAME = "sglang_requests.jsonl"
 
@@ -109,7 +109,7 @@ def _benchmark_result(runs: Runs, name: str, conc: list[int], head: int, depth: 
         "num_turns": spec["requests"],
         "requests": spec["requests"],
         "acceptance_length": spec.get("acceptance_length"),
-        "acceptance_length_interval": pooled_ratio_interval(_tau_rows(recs)),
+        "acceptance_length_interval": tau_interval([served_turn(None, r) for r in recs]),
         "acceptance_length_verify_only": spec.get("acceptance_length_verify_only"),
         "acceptance_length_non_looping": spec.get("acceptance_length_non_looping"),
         "acceptance_rate": spec.get("acceptance_rate"),
@@ -137,18 +137,6 @@ def _benchmark_result(runs: Runs, name: str, conc: list[int], head: int, depth: 
     }
 
 
-def _tau_rows(recs: list[RequestRecord]) -> list[list[float]]:
-    """Per prompt: tokens and verify passes (``meta_info.spec_verify_ct``) of its requests that
-    report them, for tau's interval over prompts."""
-    by: dict[str, list[float]] = {}
-    for r in recs:
-        if r.spec_verify_ct:
-            row = by.setdefault(r.sample_id, [0.0, 0.0])
-            row[0] += r.completion_tokens
-            row[1] += r.spec_verify_ct
-    return list(by.values())
-
-
 def _paired_result(pairs: Pairs, depth: int, greedy: bool, seed: int, interleaved: bool = True) -> dict:
     """The headline keys of one benchmark from its interleaved batch-1 pairs."""
     recs = [r for _, spec in pairs for r in spec]
@@ -162,7 +150,7 @@ def _paired_result(pairs: Pairs, depth: int, greedy: bool, seed: int, interleave
             "conditional_acceptance")
     return {
         **{k: spec.get(k) for k in keys},
-        "acceptance_length_interval": pooled_ratio_interval(_tau_rows(recs)),
+        "acceptance_length_interval": tau_interval(served_pair_turns(pairs)),
         "num_prompts": len(pairs),
         "num_turns": spec["requests"],
         "requests": spec["requests"],

@@ -111,8 +111,8 @@ def interleave_batch1(clients: dict[str, sg.SGLangClient], tokenizer, benchmarks
     Returns:
         per benchmark, one ``(baseline records, speculative records)`` pair per prompt
         (:data:`eagle3.evaluate.measures.Pairs`), for
-        :func:`~eagle3.evaluate.measures.paired_speedup` and
-        :func:`~eagle3.evaluate.measures.lossless_check`.
+        :func:`~eagle3.evaluate.turns.paired_speedup` and
+        :func:`~eagle3.evaluate.turns.lossless_check`.
 
     Raises:
         eagle3.engines.sglang.ServerUnavailable: a request that keeps failing.

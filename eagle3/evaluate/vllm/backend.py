@@ -14,7 +14,6 @@ from pathlib import Path
 from eagle3.errors import Eagle3Error
 from eagle3.evaluate.base import Backend, StageInputs
 from eagle3.evaluate.benchmarks import benchmark_names, load_benchmarks, prompt_settings
-from eagle3.paths import stage_output_dir
 
 log = logging.getLogger("eagle3")
 
@@ -77,7 +76,7 @@ class VLLMBackend(Backend):
         check_drafter_fits(export.arch, export.meta, info, Path(inputs.drafter_dir))
         left_out: dict = {}
         benchmarks = load_benchmarks(cfg, benchmark_names(cfg.data), inputs.manifest, left_out)
-        output_dir = stage_output_dir(cfg)
+        output_dir = inputs.output_dir
         output_dir.mkdir(parents=True, exist_ok=True)
         for w in warnings:
             log.warning(w)

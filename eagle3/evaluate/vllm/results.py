@@ -24,7 +24,8 @@ from typing import Any, Optional
 
 from eagle3.engines.vllm import SpecCounters
 from eagle3.evaluate.metrics import diversity, ratio, verdict
-from eagle3.evaluate.measures import first_difference, percentiles_ms, pooled_ratio_interval
+from eagle3.evaluate.measures import percentiles_ms
+from eagle3.evaluate.turns import DecodedTurn, lossless_turns, tau_interval
 from eagle3.evaluate.vllm.measure import ROLES, Pair, SweepRun
 
 BOOTSTRAP_RESAMPLES = 2000
@@ -98,8 +99,22 @@ def _decode_tps(cs) -> Optional[float]:
     return sum(max(c.completion_tokens - 1, 0) for c in cs) / dec if dec > 0 else None
 
 
+def _turns(pairs: list[Pair], diagnosis: Optional[dict] = None) -> list[DecodedTurn]:
+    """The pairs as the shared measures read them (:class:`eagle3.evaluate.turns.DecodedTurn`:
+    tau = ``drafts + accepted`` / ``drafts`` of each request's ``/metrics`` delta; ``tie`` and
+    ``diagnosis`` from ``diagnosis``, keyed by ``(benchmark, sample_id, turn)``)."""
+    out = []
+    for p in pairs:
+        d = (diagnosis or {}).get((p.benchmark, p.sample_id, p.turn)) or {}
+        out.append(DecodedTurn(p.benchmark, p.sample_id, p.turn, p.spec.output_ids, p.base.output_ids,
+                               p.spec.completion_tokens, p.base.completion_tokens, p.spec.latency_s, p.base.latency_s,
+                               p.counters.drafts + p.counters.accepted, p.counters.drafts, bool(d.get("tie")), d or None))
+    return out
+
+
 def lossless(pairs: list[Pair], diagnosis: Optional[dict] = None) -> tuple[int, int, Optional[dict], int]:
-    """``(prompts whose every turn matches, prompts, first mismatch or None, near ties)``.
+    """``(prompts whose every turn matches, prompts, first mismatch or None, near ties)``
+    (:func:`eagle3.evaluate.turns.lossless_turns`).
 
     A mismatch is ``{sample_id, turn, position, baseline_token, speculative_token,
     baseline_len, speculative_len}``, with ``logit_gap`` and ``tie`` where ``diagnosis``
@@ -107,35 +122,18 @@ def lossless(pairs: list[Pair], diagnosis: Optional[dict] = None) -> tuple[int, 
     ``(benchmark, sample_id, turn)``) has it; ``near ties`` counts the mismatching prompts
     whose every differing turn first differs at a rounding tie (as the in-process check).
     """
-    ok: dict[str, bool] = {}
-    tie: dict[str, bool] = {}
+    ll = lossless_turns(_turns(pairs, diagnosis))
     first = None
-    for p in pairs:
-        a, b = p.base.output_ids, p.spec.output_ids
-        pos = first_difference(a, b)
-        ok[p.sample_id] = ok.get(p.sample_id, True) and pos is None
-        if pos is None:
-            continue
-        d = (diagnosis or {}).get((p.benchmark, p.sample_id, p.turn)) or {}
-        tie[p.sample_id] = tie.get(p.sample_id, True) and bool(d.get("tie"))
-        if first is None:
-            first = {"sample_id": p.sample_id, "turn": p.turn, "position": pos,
-                     "baseline_token": a[pos] if pos < len(a) else None,
-                     "speculative_token": b[pos] if pos < len(b) else None,
-                     "baseline_len": len(a), "speculative_len": len(b),
-                     **({"logit_gap": d.get("logit_gap"), "tie": bool(d.get("tie"))} if d else {})}
-    return sum(ok.values()), len(ok), first, sum(tie.values())
-
-
-def _tau_interval(pairs: list[Pair]) -> Optional[list[float]]:
-    """Bootstrap 95% interval over prompts of the served tau, 1 + accepted / verify passes
-    from each request's ``/metrics`` deltas (a prompt's turns summed)."""
-    by: dict[str, list[float]] = {}
-    for p in pairs:
-        row = by.setdefault(p.sample_id, [0.0, 0.0])
-        row[0] += p.counters.drafts + p.counters.accepted
-        row[1] += p.counters.drafts
-    return pooled_ratio_interval(list(by.values()))
+    if ll.mismatched:
+        t = ll.mismatched[0]
+        a, b, pos = t.base_ids, t.spec_ids, t.first_diff
+        d = t.diagnosis or {}
+        first = {"sample_id": t.sample_id, "turn": t.turn, "position": pos,
+                 "baseline_token": a[pos] if pos < len(a) else None,
+                 "speculative_token": b[pos] if pos < len(b) else None,
+                 "baseline_len": len(a), "speculative_len": len(b),
+                 **({"logit_gap": d.get("logit_gap"), "tie": bool(d.get("tie"))} if d else {})}
+    return ll.matches, ll.checked, first, ll.near_ties
 
 
 def _counters(pairs: list[Pair]) -> SpecCounters:
@@ -160,7 +158,7 @@ def pair_summary(pairs: list[Pair], depth: int, seed: int, diagnosis: Optional[d
     return {
         "num_prompts": len(by), "num_turns": len(pairs), "requests": len(pairs),
         "acceptance_length": cnt.tau, "acceptance_rate": cnt.acceptance_rate,
-        "acceptance_length_interval": _tau_interval(pairs),
+        "acceptance_length_interval": tau_interval(_turns(pairs)),
         "verify_passes": int(cnt.drafts), "accepted_drafts": int(cnt.accepted), "proposed_drafts": int(cnt.draft_tokens),
         "per_position_acceptance": cnt.per_position_acceptance(depth),
         "accepted_per_position": [int(v) for v in cnt.per_position],
