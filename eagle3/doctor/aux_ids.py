@@ -18,9 +18,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from eagle3.doctor.checks import ExportFiles, failed, row
+from eagle3.doctor.checks import failed, row
 from eagle3.errors import Eagle3Error
 from eagle3.export.files import export_convention
+from eagle3.export.validate import ExportFiles
 from eagle3.target import ENGINES, engine_captured_ids, to_engine_ids
 
 NAME = "aux layer ids"
@@ -88,7 +89,7 @@ def check_aux(files: ExportFiles, manifest: Optional[dict], architecture: str, n
                    "drafter was trained on", "re-export the drafter from its training run (it records them)")
     try:
         declared = export_convention(meta)
-        captured = engine_captured_ids(list(written), engine, architecture)
+        captured = files.captured_aux_ids(engine, architecture)
         want = to_engine_ids(trained, engine, architecture)
     except Eagle3Error as e:
         return failed(NAME, e)

@@ -3,7 +3,8 @@ against the target) and the draft vocabulary map (``d2t`` / ``t2d``).
 
 Every check returns one row, ``{name, status, detail, fix}`` with ``status`` one of
 ``pass`` | ``fail`` | ``warn`` | ``skip`` (:func:`row`). The checks themselves are the
-export reader's (:mod:`eagle3.export.validate`) and the evaluate stage's
+export reader's (:class:`eagle3.export.validate.ExportFiles`, its files read one by one; the
+checks of :mod:`eagle3.export.schema`) and the evaluate stage's
 (:func:`eagle3.export.provenance.check_drafter_fits`), called piece by piece so that
 each fault lands in its own row; an :class:`~eagle3.errors.Eagle3Error` they raise
 becomes a failed row whose fix is the sentence's last clause.
@@ -12,14 +13,14 @@ becomes a failed row whose fix is the sentence's last clause.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from eagle3.errors import Eagle3Error
+from eagle3.export.schema import CONFIG_FILE
+from eagle3.export.validate import ExportFiles  # noqa: F401  (what the checks after the schema read)
 
 STATUSES = ("pass", "fail", "warn", "skip")
-CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 REEXPORT = "re-export the drafter from its training run (train.py writes export/sglang and export/vllm)"
 
 
@@ -51,49 +52,6 @@ def failed(name: str, err: Eagle3Error, fix: Optional[str] = None) -> dict:
     """A failed row from an error (its own fix clause unless ``fix`` is given)."""
     what, own = split_fix(str(err))
     return row(name, "fail", what, fix or own or REEXPORT)
-
-
-@dataclass
-class ExportFiles:
-    """What the schema check read from an export folder, for the checks after it.
-
-    Attributes:
-        dir: the export folder.
-        config: ``config.json`` (None when unreadable); ``meta``: ``eagle3_meta.json`` ({} when absent).
-        arch: the drafter's sizes (:class:`eagle3.model.drafter.DrafterArch`), None when the config
-            does not make a drafter.
-        header: ``model.safetensors`` key -> (shape, safetensors dtype), None when unreadable.
-        keys: drafter state-dict name -> file key (``d2t`` absent when the file has none).
-    """
-
-    dir: Path
-    config: Optional[dict] = None
-    meta: dict = field(default_factory=dict)
-    arch: Any = None
-    header: Optional[dict] = None
-    keys: dict = field(default_factory=dict)
-
-    @property
-    def written_aux_ids(self) -> Optional[list]:
-        """``eagle_config.eagle_aux_hidden_state_layer_ids`` as written (the engine's convention), or None."""
-        eagle = (self.config or {}).get("eagle_config")
-        return eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, dict) else None
-
-
-def _read_header(path: Path) -> dict:
-    """File key -> (shape, dtype string) of a safetensors file, from its header only.
-
-    Raises:
-        Eagle3Error: the file is not a readable safetensors file.
-    """
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return {k: (list(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
-    except (SafetensorError, OSError) as e:
-        raise Eagle3Error(f"{path} is not a readable safetensors file ({e}); copy the export again or "
-                          "re-export the drafter") from None
 
 
 def _target_ties(info) -> Optional[bool]:
@@ -128,7 +86,7 @@ def tie_row(config: dict, info) -> dict:
 
 def _header_for_weights(header: dict, arch) -> dict:
     """The header with a stand-in ``d2t`` when the file has none: its absence is the d2t check's row."""
-    from eagle3.export.validate import drafter_name
+    from eagle3.export.schema import drafter_name
 
     if any(drafter_name(k) == "d2t" for k in header):
         return header
@@ -149,28 +107,29 @@ def check_schema(export_dir: Path, info) -> tuple[list[dict], ExportFiles]:
         ``(rows, files)``: the ``export schema`` and ``tie_word_embeddings`` rows, and what was read.
     """
     from eagle3.export.provenance import check_drafter_fits
-    from eagle3.export import arch_from_sglang_config, read_json_object
-    from eagle3.export.files import META_FILE
-    from eagle3.export.validate import check_weights
+    from eagle3.export.schema import check_weights
 
     d = Path(export_dir)
     files = ExportFiles(d)
     name = "export schema"
-    for f in (CONFIG_FILE, WEIGHTS_FILE):
-        if not (d / f).is_file():
-            return [row(name, "fail", f"{d} has no {f}", "set drafter_dir=<train output_dir>/export/sglang "
-                        "(or export/vllm), or run train.py")], files
+    gone = files.missing()
+    if gone:
+        return [row(name, "fail", f"{d} has no {gone}", "set drafter_dir=<train output_dir>/export/sglang "
+                    "(or export/vllm), or run train.py")], files
     try:
-        files.config = read_json_object(d / CONFIG_FILE)
-        files.meta = read_json_object(d / META_FILE) if (d / META_FILE).exists() else {}
-        files.arch = arch_from_sglang_config(files.config, str(d / CONFIG_FILE))
+        files.read_config()
+        files.read_meta()
+        files.read_arch()
     except Eagle3Error as e:
         fix = ('set "architectures": ["LlamaForCausalLMEagle3"] in config.json (the class SGLang and vLLM '
                "load EAGLE-3 drafters with)") if "declares" in str(e) else None
         return [failed(name, e, fix)], files
     try:
-        files.header = _read_header(d / WEIGHTS_FILE)
-        files.keys = check_weights(d / WEIGHTS_FILE, _header_for_weights(files.header, files.arch), files.arch)
+        files.read_header()
+    except Eagle3Error as e:
+        return [failed(name, e, "copy the export again or re-export the drafter"), tie_row(files.config, info)], files
+    try:
+        files.keys = check_weights(files.weights_path, _header_for_weights(files.header, files.arch), files.arch)
         files.keys = {n: k for n, k in files.keys.items() if k in files.header}
         if info is not None:  # the aux ids are the aux row's: a stand-in keeps this to vocabulary and hidden size
             check_drafter_fits(files.arch, {"aux_layer_ids": [-1]}, info, d)
@@ -192,20 +151,16 @@ def check_d2t(files: ExportFiles) -> dict:
     Returns:
         The ``d2t`` row (``skip`` when the schema check could not read the sizes or weights).
     """
-    from safetensors import safe_open
-
-    from eagle3.export import check_vocab_maps
+    from eagle3.export.schema import check_vocab_maps
 
     name = "d2t"
     if files.arch is None or files.header is None:
         return row(name, "skip", "needs a readable config.json and model.safetensors (see export schema)")
-    path = files.dir / WEIGHTS_FILE
+    path = files.weights_path
     if "d2t" not in files.keys:
         return row(name, "fail", f"{path} has no d2t (the draft -> target id offsets): a server would map draft id i "
                    "to target id i", "re-export the drafter from its training run (train.py writes d2t)")
-    with safe_open(str(path), framework="pt") as f:
-        d2t = f.get_tensor(files.keys["d2t"])
-        t2d = f.get_tensor(files.keys["t2d"]) if "t2d" in files.keys else None
+    d2t, t2d = files.read_vocab()
     try:
         mask = check_vocab_maps(d2t, t2d, files.arch.vocab_size, path)
     except Eagle3Error as e:
@@ -219,8 +174,8 @@ def check_loads(files: ExportFiles) -> Optional[dict]:
     """The export reader's own full check (:func:`eagle3.export.read_sglang_export`, in the
     convention the export declares: whether that suits the serving engine is the aux row's),
     as a catch-all after the piecewise rows passed: a failed row, or None when it reads."""
-    from eagle3.export import read_sglang_export
     from eagle3.export.files import export_convention
+    from eagle3.export.validate import read_sglang_export
 
     try:
         read_sglang_export(files.dir, convention=export_convention(files.meta))

@@ -58,26 +58,15 @@ def _load_drafter(export_dir, embed, device):
     """The drafter as :func:`eagle3.export.load_sglang_export` loads it; when that refuses the
     export's aux ids or its convention (the aux row reports both), the same weights read in the
     export's own convention (the files are still checked by :func:`eagle3.export.read_sglang_export`)."""
-    import torch
-
-    from eagle3.export import META_FILE, load_sglang_export, read_json_object, read_sglang_export
-    from eagle3.export.sglang import export_tensors
-    from eagle3.export.files import export_convention
-    from eagle3.model.drafter import Eagle3Drafter
+    from eagle3.export import load_sglang_export, read_sglang_export
+    from eagle3.export.sglang import drafter_from_export
 
     try:
         return load_sglang_export(export_dir, embed_tokens=embed, device=device)[0]
     except Eagle3Error:
         pass  # its aux ids or convention do not suit SGLang: the aux row says so; the probe feeds what the engine captures
-    exp = read_sglang_export(export_dir, convention=export_convention(read_json_object(Path(export_dir) / META_FILE)
-                                                                      if (Path(export_dir) / META_FILE).exists() else {}))
-    drafter = Eagle3Drafter(exp.arch)
-    with torch.no_grad():
-        drafter.load_state_dict(export_tensors(exp), strict=False)
-        drafter.set_draft_vocab(exp.d2t, exp.t2d)
-        if exp.arch.shares_target_embeddings:
-            drafter.embed_tokens.weight.copy_(embed)
-    return drafter.to(device=device, dtype=exp.dtype).eval()
+    exp = read_sglang_export(export_dir, convention=None)
+    return drafter_from_export(exp, embed).to(device=device, dtype=exp.dtype).eval()
 
 
 def summarize(accept_counts: list[int], emitted: int, draft_vocab_size: int, num_steps: int) -> dict:

@@ -15,11 +15,12 @@ from __future__ import annotations
 from typing import Optional
 
 from eagle3.doctor.aux_ids import check_aux, serving_engine
-from eagle3.doctor.checks import ExportFiles, check_d2t, check_loads, check_schema, failed, row
+from eagle3.doctor.checks import check_d2t, check_loads, check_schema, failed, row
 from eagle3.doctor.probe import probe_rows
 from eagle3.doctor.provenance import provenance_rows
 from eagle3.doctor.report import exit_code, format_table, write_doctor_json
 from eagle3.errors import Eagle3Error
+from eagle3.export.validate import ExportFiles
 
 
 def _target(cfg) -> tuple[dict, object, object, Optional[str]]:
@@ -44,13 +45,11 @@ def _probe_aux_ids(files: ExportFiles, rows: list[dict], engine: str, architectu
                    num_layers: Optional[int]) -> Optional[list[int]]:
     """The HF layers the serving engine captures for the export's ids, or None when the export
     cannot be loaded (schema, d2t or read-back failed) or they leave the target."""
-    from eagle3.target import engine_captured_ids
-
     broken = {"export schema", "d2t", "export reads back", "target"}
     if any(r["status"] == "fail" and r["name"] in broken for r in rows):
         return None
     try:
-        ids = engine_captured_ids(list(files.written_aux_ids), engine, architecture)
+        ids = files.captured_aux_ids(engine, architecture)
     except (Eagle3Error, TypeError):
         return None
     return ids if num_layers is None or all(1 <= i <= num_layers for i in ids) else None

@@ -19,6 +19,7 @@ from eagle3.export.sglang import (  # noqa: F401
 )
 from eagle3.export.validate import (  # noqa: F401
     SGLANG_ARCHITECTURE,
+    ExportFiles,
     SGLangExport,
     arch_from_sglang_config,
     check_vocab_maps,

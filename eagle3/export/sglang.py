@@ -52,7 +52,7 @@ from eagle3.errors import Eagle3Error
 from eagle3.export.files import CONVENTION_FIELD, CONVENTIONS, DTYPES, META_FILE, dtype_name, staging_dir, write_json
 from eagle3.export.validate import SGLANG_ARCHITECTURE, WEIGHTS_FILE, SGLangExport, engine_norm_alias, read_sglang_export
 from eagle3.io import replace_dir
-from eagle3.target import from_sglang_ids, to_engine_ids
+from eagle3.target import to_engine_ids
 
 
 def sglang_config(arch: DrafterArch, sglang_aux_ids: list[int], dtype: torch.dtype) -> dict:
@@ -222,6 +222,27 @@ def export_tensors(exp: SGLangExport) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def drafter_from_export(exp: SGLangExport, embed_tokens: Optional[torch.Tensor] = None,
+                        tensors: Optional[dict[str, torch.Tensor]] = None) -> Eagle3Drafter:
+    """An :class:`Eagle3Drafter` (float32, on the CPU) holding the weights and draft vocabulary of a
+    checked export; ``embed_tokens`` (the target's ``[V, H]`` table) fills a shared embedding
+    table, left at zero when None. ``tensors``: :func:`export_tensors` of ``exp``, when read already.
+
+    Raises:
+        Eagle3Error: the weights file cannot be read.
+    """
+    drafter = Eagle3Drafter(exp.arch)
+    with torch.no_grad():
+        drafter.load_state_dict(export_tensors(exp) if tensors is None else tensors, strict=False)
+        drafter.set_draft_vocab(exp.d2t, exp.t2d)
+        if exp.arch.shares_target_embeddings:
+            if embed_tokens is not None:
+                drafter.embed_tokens.weight.copy_(embed_tokens)
+            else:
+                drafter.embed_tokens.weight.zero_()
+    return drafter
+
+
 def load_sglang_export(export_dir: str | os.PathLike, embed_tokens: Optional[torch.Tensor] = None,
                        device: str | torch.device = "cpu",
                        dtype: Optional[torch.dtype] = None) -> tuple[Eagle3Drafter, dict]:
@@ -258,26 +279,18 @@ def load_sglang_export(export_dir: str | os.PathLike, embed_tokens: Optional[tor
             field (or the right export folder).
     """
     exp = read_sglang_export(export_dir)
-    d, arch, meta = exp.dir, exp.arch, exp.meta
+    d, meta = exp.dir, exp.meta
     tensors = export_tensors(exp)
     with safe_open(str(d / WEIGHTS_FILE), framework="pt") as f:  # named as in the file
         bad = [k for k in f.keys() if (t := f.get_tensor(k)).is_floating_point() and not bool(torch.isfinite(t).all())]
     if bad:
         raise Eagle3Error(f"{d / WEIGHTS_FILE}: {', '.join(sorted(bad)[:8])} hold NaN or infinity; "
                           "re-export the drafter from a checkpoint whose weights are finite")
-    drafter = Eagle3Drafter(arch)
-    with torch.no_grad():
-        drafter.load_state_dict(tensors, strict=False)
-        drafter.set_draft_vocab(exp.d2t, exp.t2d)
-        if arch.shares_target_embeddings:
-            if embed_tokens is not None:
-                drafter.embed_tokens.weight.copy_(embed_tokens)
-            else:
-                drafter.embed_tokens.weight.zero_()
+    drafter = drafter_from_export(exp, embed_tokens, tensors)
     family = (meta.get("target") or {}).get("architecture")
     sg_ids = exp.sglang_aux_ids
     if family and sg_ids is not None:
-        captured = from_sglang_ids(list(sg_ids), family)
+        captured = exp.captured_aux_ids("sglang", family)
         if meta.get("aux_layer_ids") is not None and list(meta["aux_layer_ids"]) != captured:
             raise Eagle3Error(
                 f"{d}: config.json aux ids {sg_ids} make a {family} server capture HF layers {captured}, "

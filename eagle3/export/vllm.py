@@ -23,7 +23,6 @@ from eagle3.errors import Eagle3Error
 from eagle3.export.files import META_FILE
 from eagle3.export.sglang import write_eagle3_export
 from eagle3.export.validate import CONFIG_FILE, SGLangExport, read_sglang_export
-from eagle3.target import engine_captured_ids
 from eagle3.model.drafter import Eagle3Drafter
 
 
@@ -61,17 +60,17 @@ def read_vllm_export(export_dir: str | os.PathLike) -> SGLangExport:
             trained ones.
     """
     exp = read_sglang_export(export_dir, convention="vllm")
-    written, trained = exp.written_aux_ids, exp.meta.get("aux_layer_ids")
+    written, trained = exp.written_aux_ids, exp.trained_aux_ids
     if written is None or trained is None:
         field = f"{CONFIG_FILE} field 'eagle_config.eagle_aux_hidden_state_layer_ids'" if written is None \
             else f"{META_FILE} field 'aux_layer_ids'"
         raise Eagle3Error(f"{exp.dir} lacks the {field}, so the layers vLLM captures cannot be checked; "
                           "re-export the drafter")
     family = (exp.meta.get("target") or {}).get("architecture") or "llama"
-    captured = engine_captured_ids(written, "vllm", family)
-    if captured != list(trained):
+    captured = exp.captured_aux_ids("vllm", family)
+    if captured != trained:
         raise Eagle3Error(
             f"{exp.dir}/{CONFIG_FILE} aux ids {written} make vLLM capture HF layers {captured}, but the drafter was "
-            f"trained on {list(trained)}; re-export it (export/vllm writes the HF ids unchanged)"
+            f"trained on {trained}; re-export it (export/vllm writes the HF ids unchanged)"
         )
     return exp

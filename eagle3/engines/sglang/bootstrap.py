@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from eagle3.target import from_sglang_ids, resolve_target
+from eagle3.target import resolve_target
 
 log = logging.getLogger(__name__)
 
@@ -122,9 +122,17 @@ def ensure_bootstrap_drafter(model_cfg: Any, dims: dict, aux_layer_ids: list[int
 
 def read_draft_aux_ids(draft_path: str | None, architecture: str) -> list[int] | None:
     """HF-convention aux ids a server captures with the drafter at ``draft_path`` (a
-    local folder with ``config.json``), or None when it cannot be read from here."""
-    if not draft_path or not os.path.isfile(os.path.join(draft_path, "config.json")):
+    local folder with ``config.json``, read by :class:`eagle3.export.ExportFiles`; SGLang's
+    rule applied, :func:`eagle3.target.engine_captured_ids`), or None when it cannot be read
+    from here or names no ids.
+
+    Raises:
+        Eagle3Error: the ``config.json`` there is not a JSON object.
+    """
+    from eagle3.export.validate import ExportFiles
+
+    files = ExportFiles(Path(draft_path)) if draft_path else None
+    if files is None or not files.config_path.is_file():
         return None
-    cfg = json.loads(Path(draft_path, "config.json").read_text())
-    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    return None if ids is None else from_sglang_ids(list(ids), architecture)
+    files.read_config()
+    return None if files.written_aux_ids is None else files.captured_aux_ids("sglang", architecture)
