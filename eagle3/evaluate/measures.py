@@ -241,6 +241,15 @@ def gc_held() -> Iterator[None]:
 SERVED_TIE_GAP = 0.25
 
 
+def served_tie(gap: Optional[float]) -> bool:
+    """Whether a served greedy mismatch is a rounding near-tie: the baseline server's log-probs
+    of the two tokens (nats) differ by at most :data:`SERVED_TIE_GAP` (False for None: the gap
+    could not be read). The one rule of both served diagnoses
+    (:func:`eagle3.evaluate.sglang.sweeps.diagnose_mismatches`,
+    :func:`eagle3.evaluate.vllm.measure.diagnose_mismatches`)."""
+    return gap is not None and gap <= SERVED_TIE_GAP
+
+
 def system_messages(sample: dict) -> list[dict]:
     """The sample's system messages, which lead every turn's prompt (as in process:
     :func:`eagle3.evaluate.inprocess.decode._user_turns`)."""

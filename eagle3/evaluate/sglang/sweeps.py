@@ -16,7 +16,7 @@ import time
 from typing import Optional
 
 from eagle3.engines import sglang as sg
-from eagle3.evaluate.measures import SERVED_TIE_GAP, Pairs, RequestRecord, gc_held, summarize, system_messages
+from eagle3.evaluate.measures import Pairs, RequestRecord, gc_held, served_tie, summarize, system_messages
 from eagle3.evaluate.sglang.servers import ROLES
 
 log = logging.getLogger(__name__)
@@ -185,7 +185,7 @@ def diagnose_mismatches(client: sg.SGLangClient, tokenizer, rows: dict[str, list
     asked once for its top-20 log-probs after the prompt and the baseline's output up to
     the first differing position, and the two tokens' log-probs are compared (the
     served analogue of :func:`eagle3.evaluate.inprocess.decode.diagnose_mismatch`). A gap within
-    :data:`SERVED_TIE_GAP` is a flip of two nearly equal logits, not a changed output.
+    :data:`eagle3.evaluate.measures.SERVED_TIE_GAP` is a flip of two nearly equal logits, not a changed output.
     A request that fails, or an answer without the two tokens' log-probs, leaves the
     mismatch a changed output with ``error`` saying why: the diagnosis never ends an
     evaluation (as :func:`eagle3.evaluate.vllm.measure.diagnose_mismatches`).
@@ -219,4 +219,4 @@ def diagnose_mismatches(client: sg.SGLangClient, tokenizer, rows: dict[str, list
                 continue
             if b[i] in top and s[i] in top:
                 m["logit_gap"] = abs(top[b[i]] - top[s[i]])
-                m["tie"] = m["logit_gap"] <= SERVED_TIE_GAP
+                m["tie"] = served_tie(m["logit_gap"])

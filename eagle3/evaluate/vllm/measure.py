@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from eagle3.engines.vllm import Completion, SpecCounters, VLLMClient, spec_counters
-from eagle3.evaluate.measures import SERVED_TIE_GAP, first_difference, gc_held, system_messages
+from eagle3.evaluate.measures import first_difference, gc_held, served_tie, system_messages
 
 log = logging.getLogger("eagle3")
 
@@ -306,5 +306,5 @@ def diagnose_mismatches(client: VLLMClient, model: str, pairs: dict[str, list[Pa
                 row["error"] = "the baseline server answered no prompt_logprobs at that position"
                 continue
             row["logit_gap"] = _gap(entries[-1], b[i], s[i])
-            row["tie"] = row["logit_gap"] is not None and row["logit_gap"] <= SERVED_TIE_GAP
+            row["tie"] = served_tie(row["logit_gap"])
     return out
