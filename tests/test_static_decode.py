@@ -18,7 +18,7 @@ from eagle3.spec import (
     build_decoder,
     target_generate,
 )
-from eagle3.spec.graphs import GraphedCall
+from eagle3.runtime.graphs import GraphedCall
 from test_spec_decode import AUX, PROMPT, ReferenceProposer, greedy_reference, tiny_drafter, tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -124,7 +124,7 @@ def test_slot_cache_spans_double_from_min_span_up_to_max_len():
 def test_graphed_call_keeps_the_most_recently_used_graphs(monkeypatch):
     """max_graphs: capturing a new key drops the least recently used graph (bookkeeping only:
     the capture is replaced by a stand-in, as CPU tensors cannot be captured)."""
-    from eagle3.spec import graphs as gr
+    from eagle3.runtime import graphs as gr
 
     class Replay:
         def replay(self):

@@ -30,7 +30,7 @@ from eagle3.spec.decoder import (  # noqa: F401
     target_generate,
     SpeculativeDecoder,
 )
-from eagle3.spec.slots import SlotCache  # noqa: F401
+from eagle3.runtime.slots import SlotCache  # noqa: F401
 from eagle3.spec.static_target import StaticTargetRunner  # noqa: F401
 from eagle3.spec.static_proposer import StaticEagle3Proposer  # noqa: F401
 from eagle3.spec.oracle import ForcedProposer  # noqa: F401

@@ -49,7 +49,7 @@ def build_decoder(model, drafter, aux_layer_ids: Sequence[int], settings: SpecSe
         static: static caches; None = on CUDA only (module docstring).
         cuda_graphs: with static caches on CUDA, replay forwards from CUDA graphs; None = yes.
         min_span: with static caches, the smallest attention span in slots
-            (:meth:`eagle3.spec.slots.SlotCache.span_for`); None = every call attends over
+            (:meth:`eagle3.runtime.slots.SlotCache.span_for`); None = every call attends over
             all slots sized for ``max_prompt_tokens``.
 
     Raises:

@@ -1,6 +1,6 @@
 """Inductor-compiled decoder layers: fused kernels inside this project's CUDA graphs.
 
-A CUDA graph (:mod:`eagle3.spec.graphs`) removes launch and Python cost but replays the
+A CUDA graph (:mod:`eagle3.runtime.graphs`) removes launch and Python cost but replays the
 eager kernels one by one. A transformers Llama layer launches about 35 of them per
 forward (RMSNorm alone is six: pow, mean, add, rsqrt, mul, cast; rotary, SiLU-and-multiply
 and the residual adds the rest), each a few microseconds on a tensor of ``[B, n, 576]``.
@@ -20,14 +20,14 @@ kernels reached 0.56x transformers' compiled static-cache ``generate`` at batch 
   cache lose on real extraction: a compilation per prompt width). Dynamo still keeps
   separate graphs for a single new token and for several (it specialises sizes 0 and 1),
   so there are a handful of compilations per process in all;
-* the KV-cache write stays eager: :meth:`eagle3.spec.slots.SlotCache.update` and
+* the KV-cache write stays eager: :meth:`eagle3.runtime.slots.SlotCache.update` and
   :meth:`eagle3.engines.hf.batch_decode.FlatSlotCache.update` are
   ``torch.compiler.disable``-d (two ``index_copy_`` kernels; the layer is compiled in
   two pieces around them), so the caches' Python lists and slot tensors are never traced.
 
 Forward hooks (the aux hidden states of :mod:`eagle3.spec.target` and of capture) run
 in ``nn.Module.__call__``, outside the compiled ``forward``, as before. The compiled
-kernels are launched like any other inside :class:`eagle3.spec.graphs.GraphedCall`'s
+kernels are launched like any other inside :class:`eagle3.runtime.graphs.GraphedCall`'s
 warm-up runs (which is when compilation happens) and recorded by its capture.
 
 ``attention_in_graph=False`` keeps the attention kernel itself out of the compiled code: the
@@ -54,12 +54,8 @@ import torch
 from eagle3.devices import compile_in_place
 from eagle3.gqa import GQA_SDPA, GQA_SDPA_OUTSIDE_COMPILE
 from eagle3.errors import Eagle3Error
-
-
-# transformers attention-implementation key of sdpa kept outside compiled code (module docstring)
-SDPA_OUTSIDE_COMPILE = "eagle3_sdpa_outside_compile"
-# every attention implementation key that runs outside compiled code (this one and eagle3.gqa's)
-OUTSIDE_COMPILE = (SDPA_OUTSIDE_COMPILE, GQA_SDPA_OUTSIDE_COMPILE)
+# the attention keys kept outside compiled code (module docstring), defined beside the masks that read them
+from eagle3.runtime.mask import OUTSIDE_COMPILE, SDPA_OUTSIDE_COMPILE  # noqa: F401
 
 
 def use_sdpa_outside_compile(model) -> None:

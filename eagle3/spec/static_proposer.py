@@ -2,7 +2,7 @@
 
 :class:`StaticEagle3Proposer` drafts exactly what :class:`eagle3.spec.proposer.Eagle3Proposer`
 drafts (same inputs, same masks, same positions), with the drafter's keys and values in
-one :class:`eagle3.spec.slots.SlotCache`:
+one :class:`eagle3.runtime.slots.SlotCache`:
 
 * ``begin`` over the ``m`` newly verified positions writes slots ``start .. start+m-1``
   (causal); a round's ``m`` is ``1 .. num_steps + 1``, so each ``m`` gets its own graph;
@@ -13,7 +13,7 @@ one :class:`eagle3.spec.slots.SlotCache`:
 * ``end_round`` drops nothing: the next ``begin`` overwrites the draft slots and the
   mask hides them until then.
 
-Attention reads the cache's span bucket (:meth:`eagle3.spec.slots.SlotCache.span_for`);
+Attention reads the cache's span bucket (:meth:`eagle3.runtime.slots.SlotCache.span_for`);
 graphs are keyed by shape and span.
 """
 
@@ -23,9 +23,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from eagle3.spec.graphs import GraphedCall
+from eagle3.runtime.graphs import GraphedCall
 from eagle3.spec.proposer import Eagle3Proposer
-from eagle3.spec.slots import SlotCache, prefix_mask
+from eagle3.runtime.slots import SlotCache, prefix_mask
 
 
 class StaticEagle3Proposer(Eagle3Proposer):

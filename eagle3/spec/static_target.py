@@ -1,7 +1,7 @@
 """The target on a preallocated KV cache, with its verify pass and decode step replayed from CUDA graphs.
 
 :class:`StaticTargetRunner` is a :class:`eagle3.spec.target.TargetRunner` whose cache is
-one :class:`eagle3.spec.slots.SlotCache` allocated for ``max_len`` positions and reused by
+one :class:`eagle3.runtime.slots.SlotCache` allocated for ``max_len`` positions and reused by
 every prompt. Every call writes at explicit slots under an explicit mask:
 
 * prefill (``P`` tokens, eager: its length varies): slots ``0 .. P-1``, causal;
@@ -9,13 +9,13 @@ every prompt. Every call writes at explicit slots under an explicit mask:
   ``length``): slots ``length .. length+N-1``, causal over the slots, the mask built
   inside the call from the first slot;
 * tree verify pass: the same slots, positions ``length + depth``, the tree mask of
-  :func:`eagle3.spec.slots.tree_mask_over_slots` as an input;
+  :func:`eagle3.runtime.slots.tree_mask_over_slots` as an input;
 * roll back: nothing for a chain or a prefix path (the mask hides what follows the
   verified prefix); a tree path is moved behind the prefix with one index copy per layer.
 
-Attention reads the cache's span bucket (:meth:`eagle3.spec.slots.SlotCache.span_for`), not
+Attention reads the cache's span bucket (:meth:`eagle3.runtime.slots.SlotCache.span_for`), not
 all ``max_len`` slots. Decode steps and verify passes have fixed shapes per span, so on
-CUDA they are replayed from graphs (:class:`eagle3.spec.graphs.GraphedCall`, one per
+CUDA they are replayed from graphs (:class:`eagle3.runtime.graphs.GraphedCall`, one per
 shape and span); the aux hidden states
 are read inside the call by the same forward hooks as the dynamic runner, so they are
 part of the graph's outputs. On CPU the same calls run eagerly.
@@ -27,8 +27,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from eagle3.spec.graphs import GraphedCall
-from eagle3.spec.slots import SlotCache, prefix_mask, tree_mask_over_slots
+from eagle3.runtime.graphs import GraphedCall
+from eagle3.runtime.slots import SlotCache, prefix_mask, tree_mask_over_slots
 from eagle3.spec.target import TargetRunner
 
 

@@ -14,8 +14,7 @@ from typing import Optional, Sequence
 import torch
 
 from eagle3.errors import Eagle3Error
-from eagle3.gqa import GQA_DECODE, GQA_SDPA
-from eagle3.spec.compiled import OUTSIDE_COMPILE
+from eagle3.runtime.mask import explicit_mask  # noqa: F401  (part of this module's API)
 
 
 def synchronize(device: torch.device | str) -> None:
@@ -23,26 +22,6 @@ def synchronize(device: torch.device | str) -> None:
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def explicit_mask(visible: torch.Tensor, attn_implementation: str, dtype: torch.dtype, what: str) -> torch.Tensor:
-    """A 4D bool visibility mask (``[B, 1, n, S]``, True = attend) in the form an attention
-    implementation reads: ``sdpa`` takes it as is, ``eager`` an additive mask in ``dtype``
-    (0 = attend, the dtype's minimum = masked; transformers ``eager_attention_forward``); the
-    GQA attentions (:mod:`eagle3.gqa`, :mod:`eagle3.engines.hf.attention`) and the
-    compile-disabled keys of :mod:`eagle3.spec.compiled` read it as ``sdpa`` does.
-
-    Raises:
-        Eagle3Error: another implementation (it takes no explicit mask); ``what`` names the
-            caller in the message.
-    """
-    if attn_implementation == "eager":
-        zero = torch.zeros((), dtype=dtype, device=visible.device)
-        return torch.where(visible, zero, torch.finfo(dtype).min)
-    if attn_implementation in ("sdpa", GQA_SDPA, GQA_DECODE, *OUTSIDE_COMPILE):  # sdpa and the keys reading its mask
-        return visible
-    raise Eagle3Error(f"{what} needs an explicit attention mask, which attn_implementation='{attn_implementation}' "
-                      "does not take; use engine.attn_implementation=sdpa or eager")
 
 
 def truncate_cache(cache, length: int) -> None:

@@ -6,7 +6,7 @@ compiled path compiles again for every new prompt width, which made it slower th
 eager path on real extraction (``docs/performance.md``). :class:`BatchDecoder` takes
 the compiled path's speed without compiling: the decode step of a ``[B, S]`` batch
 (``B`` rows, ``S`` slots) is captured once as a CUDA graph
-(:class:`eagle3.spec.graphs.GraphedCall`) and replayed for every step; a new batch
+(:class:`eagle3.runtime.graphs.GraphedCall`) and replayed for every step; a new batch
 shape costs one capture (three eager steps), not a compilation. With the folded GQA attention
 (``engine.gqa_fold``, :mod:`eagle3.gqa`; on by default on CUDA) the step reads the cache once
 instead of a ``repeat_kv`` copy of it: 1.56-1.60x transformers' compiled path at batch 256 on
@@ -39,9 +39,9 @@ from typing import Optional, Sequence
 import torch
 
 from eagle3.errors import Eagle3Error
-from eagle3.spec.graphs import GraphedCall
-from eagle3.spec.slots import kv_layout
-from eagle3.spec.target import explicit_mask
+from eagle3.runtime.graphs import GraphedCall
+from eagle3.runtime.slots import kv_layout
+from eagle3.runtime.mask import explicit_mask
 
 SLOT_MULTIPLE = 64  # batch widths (prompt + new tokens) are rounded up to this: fewer graph shapes, aligned keys
 DONE_CHECK_EVERY = 16  # decode steps between host reads of "has every row stopped"
@@ -52,7 +52,7 @@ class FlatSlotCache:
     """Per-layer flat K/V buffers viewed as ``[B, kv, S, d]`` for the current batch shape.
 
     Implements what transformers' decoder layers call on a cache (``update`` and
-    ``get_seq_length``), like :class:`eagle3.spec.slots.SlotCache`, for a batch.
+    ``get_seq_length``), like :class:`eagle3.runtime.slots.SlotCache`, for a batch.
 
     Args:
         num_layers, num_kv_heads, head_dim: the target's attention shape.

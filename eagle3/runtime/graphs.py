@@ -10,7 +10,7 @@ function twice on a side stream (kernel selection, allocator warm-up), captures 
 replays, and returns clones of the static outputs.
 
 The function must be a pure function of its tensor inputs apart from in-place writes
-to buffers that live as long as the graph (the KV cache of :mod:`eagle3.spec.slots`):
+to buffers that live as long as the graph (the KV cache of :mod:`eagle3.runtime.slots`):
 no host syncs, no Python branching on tensor values, no tensor allocated once and
 reused outside the call. Running it during warm-up repeats the same writes, so warm-up
 leaves the same state as one call. Graphs of different keys use separate memory pools,

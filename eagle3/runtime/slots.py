@@ -9,7 +9,7 @@ mask that hides every slot not (yet) part of the sequence. The span is a bucket
 (:meth:`SlotCache.span_for`: ``min_span`` doubled until it covers the call, at most
 ``max_len``), so a short sequence in a cache sized for 2,048-token prompts does not
 attend over 2,000 empty slots in every layer of every call; each bucket is one more
-fixed shape for :mod:`eagle3.spec.graphs`. Buffers are allocated for ``max_len`` rounded up
+fixed shape for :mod:`eagle3.runtime.graphs`. Buffers are allocated for ``max_len`` rounded up
 to a multiple of :data:`SLOT_ALIGN` (64), so no span is an odd width: on one H200 a 4-token
 verify pass of a 30-layer target over 2,183 slots took 5.41 ms, over 2,184 slots 4.48 ms,
 over 2,048 4.28 ms and over 512 3.54 ms (``benchmarks/round_breakdown.py``). Hence:
@@ -19,7 +19,7 @@ over 2,048 4.28 ms and over 512 3.54 ms (``benchmarks/round_breakdown.py``). Hen
   first slots after the prefix);
 * every forward of ``n`` tokens within one span bucket has the same shapes and buffer
   addresses whatever the position, which is what CUDA graph replay needs
-  (:mod:`eagle3.spec.graphs`; callers key their graphs by ``(n, span)``).
+  (:mod:`eagle3.runtime.graphs`; callers key their graphs by ``(n, span)``).
 
 It implements the two calls transformers' decoder layers make on a cache
 (``update(keys, values, layer_idx)`` and ``get_seq_length``; transformers >= 5 builds
