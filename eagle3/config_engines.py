@@ -35,7 +35,7 @@ class HFEngineConfig:
     # static at batch 256 on one H100, 0.62-0.64x without; docs/performance.md), dynamic on CPU.
     generate_cache: str = "auto"
     # Evaluation's batch-1 decoding (baseline and speculative): static = preallocated KV caches
-    # for target and drafter (eagle3.spec.slots), forwards replayed from CUDA graphs on CUDA
+    # for target and drafter (eagle3.runtime.slots), forwards replayed from CUDA graphs on CUDA
     # when cuda_graphs; dynamic = DynamicCache, eager; auto = static on CUDA, dynamic on CPU.
     decode_cache: str = "auto"
     cuda_graphs: bool = True
