@@ -27,7 +27,7 @@ from omegaconf import MISSING
 from eagle3.config_engines import (  # noqa: F401
     FeaturesConfig, HFEngineConfig, RemoteEngineConfig, SGLangEngineConfig, VLLMEngineConfig)
 # The evaluate stage's prompts and mode=doctor's settings live in eagle3/config_evaluate.py; re-exported here.
-from eagle3.config_evaluate import BenchmarksConfig, DoctorConfig  # noqa: F401
+from eagle3.config_evaluate import BenchmarksConfig, DoctorConfig, ScheduleConfig  # noqa: F401
 
 
 @dataclass
@@ -331,7 +331,8 @@ class EvaluateConfig:
     )
     model: ModelConfig = MISSING
     engine: Any = MISSING
-    mode: str = "evaluate"  # evaluate | doctor (checks and an acceptance probe; exits non-zero on a failed check)
+    mode: str = "evaluate"  # evaluate | doctor (checks and an acceptance probe; exits non-zero on a failed check) | schedule
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     doctor: DoctorConfig = field(default_factory=DoctorConfig)
     data: BenchmarksConfig = field(default_factory=BenchmarksConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)

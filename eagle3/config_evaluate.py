@@ -50,3 +50,19 @@ class DoctorConfig:
     probe_max_new_tokens: int = 32
     accepts_nothing_below: float = 1.05
     serving_engine: Optional[str] = None  # sglang | vllm; None = engine.name (hf: sglang)
+
+
+@dataclass
+class ScheduleConfig:
+    """``mode=schedule`` (``engine=vllm``, :mod:`eagle3.evaluate.vllm.schedule`): a served sweep
+    over ``concurrency`` of speculation off and each static chain in ``chains`` (speculative
+    tokens k; every server with the same explicit ``engine.max_num_seqs``), ``rounds`` times
+    interleaved; the number of speculative tokens per batch size derived from it
+    (:mod:`eagle3.schedule`; a chain is chosen only where it predicts ``min_gain`` times off's
+    throughput), then, with ``check``, served and swept again beside the others."""
+
+    concurrency: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128])
+    chains: list[int] = field(default_factory=lambda: [3, 1])
+    rounds: int = 3
+    min_gain: float = 1.0
+    check: bool = True

@@ -94,6 +94,18 @@ class Backend(abc.ABC):
             Eagle3Error: benchmark problems, provenance refusals, unreachable servers, ...
         """
 
+    def run_schedule(self, inputs: StageInputs) -> dict:
+        """``mode=schedule``: the served sweep that derives speculative tokens per batch size and
+        checks them; the schedule results (:func:`eagle3.evaluate.schedule_report.assemble`).
+
+        Raises:
+            Eagle3Error: this engine has no schedule sweep (the default).
+        """
+        from eagle3.errors import Eagle3Error
+
+        raise Eagle3Error(f"mode=schedule serves the drafter through a real server's per-batch-size setting: use "
+                          f"engine=vllm (engine={self.name} has no schedule sweep)")
+
     def close(self) -> None:
         """Release what the backend still holds (idempotent)."""
 

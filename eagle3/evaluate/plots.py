@@ -50,3 +50,46 @@ def plot_throughput(results: dict, path: Path) -> Path:
     plt.close(fig)
     os.replace(tmp, path)
     return path
+
+
+def plot_schedule(res: dict, path: Path) -> Path:
+    """Output tokens/s versus concurrency for speculation off, each static chain and the schedule
+    (a schedule sweep's reported phase, :mod:`eagle3.evaluate.schedule_report`), the servers'
+    running-request cap and the measured crossover marked; written atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tab = {int(c): by for c, by in res["table"].items()}
+    xs = sorted(tab)
+    roles = sorted({r for by in tab.values() for r in by}, key=lambda r: (r != "off", r == "schedule", r))
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for role in roles:
+        pts = [(c, tab[c][role]["tokens_per_s"]) for c in xs if role in tab[c] and tab[c][role]["tokens_per_s"]]
+        style = {"off": "o-", "schedule": "D-"}.get(role, "s--")
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=role, lw=2.2 if role == "schedule" else 1.2)
+    cap = res["max_running_requests"]["requested"]
+    if cap < max(xs):
+        ax.axvline(cap, ls=":", color="grey", lw=1)
+        ax.text(cap, ax.get_ylim()[1] * 0.95, f" cap {cap}", color="grey", fontsize=8, va="top")
+    if res.get("measured_crossover"):
+        ax.axvline(res["measured_crossover"], ls="--", color="tab:red", lw=1)
+        ax.text(res["measured_crossover"], ax.get_ylim()[0], f" crossover {res['measured_crossover']}",
+                color="tab:red", fontsize=8, va="bottom")
+    if len(xs) > 1:
+        ax.set_xscale("log", base=2)
+    ax.set_xticks(xs)
+    ax.set_xticklabels([str(x) for x in xs])
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("output tokens / s")
+    ax.set_title("vLLM throughput: off, static chains, schedule")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    tmp = path.with_name(path.stem + ".tmp" + path.suffix)
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path

@@ -31,6 +31,9 @@
    ``engine=vllm``: :func:`eagle3.evaluate.vllm.evaluation.evaluate_servers` on the export's
    ``export/vllm`` folder. Each engine is a backend (:mod:`eagle3.evaluate.base`) chosen
    by :func:`eagle3.evaluate.build_backend`; this stage drives them all the same way.
+   ``mode=schedule`` (``engine=vllm``): the served concurrency sweep that derives and checks
+   speculative tokens per batch size (:mod:`eagle3.evaluate.vllm.schedule`), reported by
+   :mod:`eagle3.evaluate.schedule_report` instead of the steps below.
 4. Writes the report (:func:`eagle3.evaluate.report.write_report`) and per-turn records
    (``samples.jsonl``) under ``output_dir`` (default ``data/eval/<model>``; the Hydra
    job folder in a multirun). Each finished benchmark is kept in
@@ -65,8 +68,8 @@ def run_evaluate(cfg) -> dict:
             fit the target (vocabulary/hidden size/aux layers), bad speculative settings,
             or benchmark problems (unknown name, overlap with training, missing MT-Bench file).
     """
-    if cfg.mode != "evaluate":  # evaluate.py sends mode=doctor to eagle3.doctor.run before this
-        raise Eagle3Error(f"mode '{cfg.mode}' is unknown; use mode=evaluate or mode=doctor")
+    if cfg.mode not in ("evaluate", "schedule"):  # evaluate.py sends mode=doctor to eagle3.doctor.run before this
+        raise Eagle3Error(f"mode '{cfg.mode}' is unknown; use mode=evaluate, mode=schedule or mode=doctor")
     settings, note = SpecSettings.make(
         cfg.speculative.num_steps, cfg.speculative.topk, cfg.speculative.num_draft_tokens,
         cfg.temperature, cfg.top_p, cfg.max_new_tokens,
@@ -75,6 +78,12 @@ def run_evaluate(cfg) -> dict:
     with build_backend(cfg) as backend:
         warnings += backend.check(settings)  # before any file is read or written
         inputs = read_inputs(cfg, backend, settings, warnings)
+        if cfg.mode == "schedule":  # its own report: eagle3.evaluate.schedule_report
+            from eagle3.evaluate.schedule_report import write_schedule_report
+
+            results = backend.run_schedule(inputs)
+            write_schedule_report(inputs.output_dir, results, str(inputs.drafter_dir))
+            return results
         results = backend.run(inputs)
     write_report(inputs.output_dir, results)
     return results

@@ -85,3 +85,33 @@ class VLLMBackend(Backend):
         results["warnings"] = warnings + results["warnings"]
         results["settings"].update(trained_on_left_out=left_out, **prompt_settings(cfg.data))
         return results
+
+    def run_schedule(self, inputs: StageInputs) -> dict:
+        """``mode=schedule``: provenance and sizes as :meth:`run`, then the schedule sweep
+        (:func:`eagle3.evaluate.vllm.schedule.evaluate_schedule`) on the benchmarks' first turns.
+
+        Raises:
+            Eagle3Error: as :meth:`run`, a server given by URL (the sweep launches its own,
+                one per chain), or a bad ``schedule`` section.
+        """
+        from eagle3.evaluate.vllm.schedule import evaluate_schedule
+        from eagle3.export.provenance import check_drafter_fits, check_export
+        from eagle3.target import chat_template_hash, load_tokenizer, resolve_target
+
+        cfg, export, sc = self.cfg, inputs.export, self.cfg.schedule
+        if cfg.engine.baseline_url or cfg.engine.speculative_url:
+            raise Eagle3Error("mode=schedule launches one server per chain and one for the schedule; unset "
+                              "engine.baseline_url / engine.speculative_url")
+        if not sc.chains or min(int(k) for k in sc.chains) < 1 or int(sc.rounds) < 1:
+            raise Eagle3Error(f"schedule.chains={list(sc.chains)} must list speculative token counts >= 1 (e.g. "
+                              f"[3, 1]) and schedule.rounds={sc.rounds} be >= 1")
+        if not sc.concurrency or min(int(c) for c in sc.concurrency) < 1:
+            raise Eagle3Error(f"schedule.concurrency={list(sc.concurrency)} must list positive request counts")
+        info = resolve_target(cfg.model, cfg.cache_dir)
+        tokenizer = load_tokenizer(cfg.model, cfg.cache_dir, info)
+        for w in inputs.warnings + check_export(export.meta, info, chat_template_hash(tokenizer)):
+            log.warning(w)
+        check_drafter_fits(export.arch, export.meta, info, Path(inputs.drafter_dir))
+        benchmarks = load_benchmarks(cfg, benchmark_names(cfg.data), inputs.manifest, {})
+        inputs.output_dir.mkdir(parents=True, exist_ok=True)
+        return evaluate_schedule(cfg, export, info, tokenizer, benchmarks, inputs.output_dir)

@@ -204,16 +204,22 @@ def pairs_as_sweep(pairs: dict[str, list[Pair]]) -> dict[str, dict[str, SweepRun
     return out
 
 
-def _run(servers: Servers, role: str, prompts: list[list[int]], c: int) -> SweepRun:
-    client = servers.client(role)
+def run_prompts(client: VLLMClient, body: dict, prompts: list[list[int]], c: int, counters: bool) -> SweepRun:
+    """Every prompt in ``prompts`` on one server with at most ``c`` requests in flight, the prefix
+    cache reset first where the server allows it; with ``counters`` the server's speculative
+    counter delta over the run (nothing else may run on it meanwhile)."""
     client.reset_prefix_cache()
-    before = settled_counters(client) if role == "speculative" else None
+    before = settled_counters(client) if counters else None
     with gc_held(), ThreadPoolExecutor(max_workers=max(1, min(c, len(prompts)))) as pool:
         t0 = time.perf_counter()
-        done = list(pool.map(lambda p: client.complete(dict(servers.body, prompt=list(p))), prompts))
+        done = list(pool.map(lambda p: client.complete(dict(body, prompt=list(p))), prompts))
         dur = time.perf_counter() - t0
     delta = settled_counters(client) - before if before is not None else None
     return SweepRun(done, dur, delta)
+
+
+def _run(servers: Servers, role: str, prompts: list[list[int]], c: int) -> SweepRun:
+    return run_prompts(servers.client(role), servers.body, prompts, c, role == "speculative")
 
 
 def sweep_concurrency(servers: Servers, prompts: dict[str, list[list[int]]],

@@ -75,21 +75,42 @@ def open_servers(cfg: Any, model_path: str, drafter_dir: Path, run_dir: Path) ->
     spec = vl.speculative_config(str(drafter_dir.resolve()), int(cfg.speculative.num_steps))
     out: dict[str, OpenServer] = {}
     try:
+        launch = {}
         for i, role in enumerate(("baseline", "speculative")):
             url = getattr(e, f"{role}_url", None)
             if url:
                 out[role] = _connect(cfg, role, url)
-                continue
+            else:
+                launch[role] = (int(e.port) + i, spec if role == "speculative" else None)
+        out.update(launch_servers(cfg, model_path, launch, run_dir))
+    except BaseException:
+        for s in out.values():
+            s.stop()
+        raise
+    return out
+
+
+def launch_servers(cfg: Any, model_path: str, roles: dict[str, tuple[int, Optional[dict]]],
+                   run_dir: Path) -> dict[str, OpenServer]:
+    """Launch one server per role at once (``{role: (port, --speculative-config or None)}``,
+    every other flag from ``cfg.engine``), then wait for each to answer ``/health``; every
+    process is stopped again if one fails.
+
+    Raises:
+        Eagle3Error: a server not coming up (with its log's last lines).
+    """
+    e = cfg.engine
+    out: dict[str, OpenServer] = {}
+    try:
+        for role, (port, spec) in roles.items():
             started = time.monotonic()
             proc, cmd = vl.start_vllm(e, model_path=model_path, dtype=cfg.model.dtype, seed=int(cfg.seed),
-                                      port=int(e.port) + i, run_dir=run_dir, name=role,
-                                      speculative=spec if role == "speculative" else None)
+                                      port=int(port), run_dir=run_dir, name=role, speculative=spec)
             out[role] = OpenServer(role, _client(cfg, proc.url), proc, cmd, started)
         for s in out.values():
-            if s.process is not None:
-                s.process.wait_healthy(float(e.launch_timeout_s), float(e.health_poll_s))
-                s.startup_s = time.monotonic() - s.startup_s  # seconds from its start to healthy
-                log.info("vLLM %s is up at %s, %.0f s after it started", s.role, s.client.url, s.startup_s)
+            s.process.wait_healthy(float(e.launch_timeout_s), float(e.health_poll_s))
+            s.startup_s = time.monotonic() - s.startup_s  # seconds from its start to healthy
+            log.info("vLLM %s is up at %s, %.0f s after it started", s.role, s.client.url, s.startup_s)
     except BaseException:
         for s in out.values():
             s.stop()
@@ -139,7 +160,8 @@ def check_servers(desc: dict, cfg: Any, export) -> list[str]:
 
 
 def cap_warnings(desc: dict, concurrency: list[int]) -> list[str]:
-    """A warning per server whose ``max_num_seqs`` is below a tested concurrency, or unknown."""
+    """A warning per server whose ``max_num_seqs`` is below a tested concurrency, or unknown,
+    and one when the servers' caps differ."""
     out = []
     for role, d in desc.items():
         cap = d["effective"].get("max_num_seqs")
@@ -150,4 +172,8 @@ def cap_warnings(desc: dict, concurrency: list[int]) -> list[str]:
             out.append(f"the {role} server runs at most max_num_seqs={cap} requests but concurrency "
                        f"{[c for c in concurrency if c > cap]} was tested: the extra requests queue, so those "
                        "throughputs measure the cap, not the drafter; raise engine.max_num_seqs")
+    caps = {role: d["effective"].get("max_num_seqs") for role, d in desc.items()}
+    if len(set(caps.values()) - {None}) > 1:
+        out.append(f"the servers run different running-request caps (max_num_seqs {caps}): their throughputs "
+                   "under load are not comparable; start every server with the same max_num_seqs")
     return out
