@@ -34,8 +34,9 @@ def _latencies(run) -> tuple[list[float], list[float]]:
 
 
 def table(records: list[dict], phase: str) -> dict[int, dict[str, dict]]:
-    """``{concurrency: {role: {tokens_per_s, per_round, tau, ttft_ms, itl_ms, matches_off, rows}}}`` of
-    ``phase``; ``rows``: ``[tokens, seconds]`` per round (for the intervals); ``matches_off``:
+    """``{concurrency: {role: {tokens_per_s, per_round, tau, draft_tokens_per_draft, ttft_ms, itl_ms,
+    matches_off, rows}}}`` of ``phase`` (``draft_tokens_per_draft``: the ``k`` a server ran, on
+    average over its verify passes); ``rows``: ``[tokens, seconds]`` per round (for the intervals); ``matches_off``:
     ``[answers whose token ids equal off's answer to the same prompt in the same round, answers]``
     (at temperature 0 the lossless check; batched verify passes may flip near-tied logits)."""
     from eagle3.engines.vllm import SpecCounters
@@ -65,7 +66,9 @@ def table(records: list[dict], phase: str) -> dict[int, dict[str, dict]]:
             tok, sec = (sum(x[i] for x in cell["rows"]) for i in (0, 1))
             cell["tokens_per_s"] = tok / sec if sec > 0 else None
             cell["per_round"] = [t / s for t, s in cell["rows"] if s > 0]
-            cell["tau"] = cell.pop("counters").tau
+            cnt = cell.pop("counters")
+            cell["tau"] = cnt.tau
+            cell["draft_tokens_per_draft"] = cnt.draft_tokens / cnt.drafts if cnt.drafts else None  # the k run
             t, i = percentiles_ms(cell.pop("ttft")), percentiles_ms(cell.pop("itl"))
             cell["ttft_ms"] = {"p50": t["p50"], "p99": t["p99"]}
             cell["itl_ms"] = {"p50": i["p50"], "p99": i["p99"]}
