@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from eagle3.engines.vllm import Completion, SpecCounters
-from eagle3.evaluate.schedule_report import (SCHEDULE_JSON, SCHEDULE_PLOT, SCHEDULE_REPORT, SGLANG_CONFIG, assemble,
+from eagle3.evaluate.schedule_report import (SCHEDULE_JSON, SCHEDULE_PLOT, SCHEDULE_REPORT, SGLANG_CONFIG, schedule_results,
                                              compare, measured_crossover, table, write_schedule_report)
 from eagle3.evaluate.vllm.measure import SweepRun
 from eagle3.evaluate.vllm.schedule import points, role_steps, sweep
@@ -77,7 +77,7 @@ def test_report_files_and_deployment_notes(tmp_path):
     cfg = SimpleNamespace(engine=SimpleNamespace(max_num_seqs=16), seed=0,
                           schedule=SimpleNamespace(rounds=2, chains=[3, 1]))
     desc = {r: {"effective": {"max_num_seqs": 16}} for r in ("off", "chain-3", "chain-1", "schedule")}
-    res = assemble(cfg, recs, choices, sched, desc, [], "/d", "/m", 6)
+    res = schedule_results(cfg, recs, choices, sched, desc, [], "/d", "/m", 6)
     assert res["schedule"] == [[1, 2, 3], [3, 16, 0]] and res["off_above"] == 2
     assert res["vllm_speculative_config"]["num_speculative_tokens_per_batch_size"] == [[1, 2, 3], [3, 16, 0]]
     assert res["meets_bars"] is True

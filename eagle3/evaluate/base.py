@@ -96,7 +96,7 @@ class Backend(abc.ABC):
 
     def run_schedule(self, inputs: StageInputs) -> dict:
         """``mode=schedule``: the served sweep that derives speculative tokens per batch size and
-        checks them; the schedule results (:func:`eagle3.evaluate.schedule_report.assemble`).
+        checks them; the schedule results (:func:`eagle3.evaluate.schedule_report.schedule_results`).
 
         Raises:
             Eagle3Error: this engine has no schedule sweep (the default).

@@ -110,7 +110,7 @@ def measured_crossover(tab: dict[int, dict[str, dict]]) -> Optional[int]:
     return min(later) if later else None
 
 
-def assemble(cfg: Any, records: list[dict], choices, schedule, desc: dict, warnings: list[str], draft: str,
+def schedule_results(cfg: Any, records: list[dict], choices, schedule, desc: dict, warnings: list[str], draft: str,
              model_path: str, n_prompts: int) -> dict:
     """The schedule results dict (written by :func:`write_schedule_report`)."""
     from eagle3.schedule.bands import (off_above, sglang_adaptive_config, sglang_serve_command, vllm_serve_command,
@@ -121,6 +121,7 @@ def assemble(cfg: Any, records: list[dict], choices, schedule, desc: dict, warni
     phase = "check" if any(r["phase"] == "check" for r in records) else "derive"
     tab = table(records, phase)
     comparison = compare(tab, int(cfg.seed))
+    measured = measured_crossover(tab)
     served = {r: d["effective"].get("max_num_seqs") for r, d in desc.items()}
     return {
         "engine": "vllm", "mode": "schedule", "phase_reported": phase, "prompts": n_prompts,
@@ -130,7 +131,7 @@ def assemble(cfg: Any, records: list[dict], choices, schedule, desc: dict, warni
                      "predicted_tokens_per_s": ch.predicted, "expected_tau": ch.tau} for ch in choices],
         "schedule": [[b.start, b.end, b.num_steps] for b in schedule],
         "off_above": off_above(schedule), "derived_crossover": crossover(choices),
-        "measured_crossover": measured_crossover(tab),
+        "measured_crossover": measured,
         "vllm_speculative_config": vllm_speculative_config(draft, schedule),
         "vllm_serve_command": vllm_serve_command(model_path, draft, schedule, cap),
         "sglang_adaptive_config": sglang_adaptive_config(schedule),
@@ -208,10 +209,10 @@ def write_schedule_report(output_dir: str | os.PathLike, res: dict, export_dir: 
 
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    text = markdown(res)
     plot_schedule(res, out / SCHEDULE_PLOT)
     write_json_atomic(out / SCHEDULE_JSON, res)
     write_json_atomic(out / SGLANG_CONFIG, res["sglang_adaptive_config"])
-    text = markdown(res)
     for path in [out / SCHEDULE_REPORT] + ([Path(export_dir) / "deployment_schedule.md"] if export_dir else []):
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(text)

@@ -112,6 +112,7 @@ class VLLMBackend(Backend):
         for w in inputs.warnings + check_export(export.meta, info, chat_template_hash(tokenizer)):
             log.warning(w)
         check_drafter_fits(export.arch, export.meta, info, Path(inputs.drafter_dir))
-        benchmarks = load_benchmarks(cfg, benchmark_names(cfg.data), inputs.manifest, {})
+        names = benchmark_names(cfg.data)
+        benchmarks = load_benchmarks(cfg, names, inputs.manifest, {})
         inputs.output_dir.mkdir(parents=True, exist_ok=True)
         return evaluate_schedule(cfg, export, info, tokenizer, benchmarks, inputs.output_dir)

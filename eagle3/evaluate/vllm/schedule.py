@@ -128,14 +128,14 @@ def evaluate_schedule(cfg: Any, export, info, tokenizer, benchmarks: dict, outpu
     """Launch, sweep, derive, check (see the module docstring); stop every server launched.
 
     Returns:
-        the schedule results (:func:`eagle3.evaluate.schedule_report.assemble`).
+        the schedule results (:func:`eagle3.evaluate.schedule_report.schedule_results`).
 
     Raises:
         Eagle3Error: a server not coming up, a failing request, or no usable measurement.
     """
     from eagle3.engines.vllm import speculative_config
     from eagle3.evaluate.measures import prompt_limit
-    from eagle3.evaluate.schedule_report import assemble
+    from eagle3.evaluate.schedule_report import schedule_results
     from eagle3.evaluate.vllm.evaluation import _request_body
     from eagle3.evaluate.vllm.servers import cap_warnings, launch_servers
     from eagle3.schedule.bands import bands, vllm_speculative_config
@@ -149,17 +149,18 @@ def evaluate_schedule(cfg: Any, export, info, tokenizer, benchmarks: dict, outpu
     for i, k in enumerate(sc.chains):
         roles[chain_role(k)] = (int(e.port) + 1 + i, speculative_config(draft, int(k)))
     body = _request_body(cfg, tokenizer)
+    limit, _ = prompt_limit([int(e.max_model_len)], int(cfg.max_new_tokens), getattr(cfg, "max_prompt_tokens", None))
+    prompts = first_turns(benchmarks, lambda m: render_prompt(tokenizer, m), limit)  # none fits: refused before launching
     opened = launch_servers(cfg, model_path, roles, output_dir)
     try:
-        limit, _ = prompt_limit([int(e.max_model_len)], int(cfg.max_new_tokens), getattr(cfg, "max_prompt_tokens", None))
-        prompts = first_turns(benchmarks, lambda m: render_prompt(tokenizer, m), limit)
         clients = {r: s.client for r, s in opened.items()}
         for _ in range(int(cfg.warmup_prompts)):
             for cl in clients.values():
                 cl.complete(dict(body, prompt=list(prompts[0])))
         concurrency = sorted({int(c) for c in sc.concurrency})
         records = sweep(clients, body, prompts, concurrency, int(sc.rounds), "derive")
-        choices = derive(points(records), float(sc.min_gain))
+        measured = points(records)
+        choices = derive(measured, float(sc.min_gain))
         schedule = bands(choices, int(e.max_num_seqs))
         spec = vllm_speculative_config(draft, schedule)
         if sc.check and spec is not None:
@@ -177,4 +178,4 @@ def evaluate_schedule(cfg: Any, export, info, tokenizer, benchmarks: dict, outpu
     if len(prompts) < max(concurrency):
         warnings.append(f"{len(prompts)} prompts were cycled to reach concurrency {max(concurrency)}: repeated "
                         "prompts share prefix-cache blocks within a run")
-    return assemble(cfg, records, choices, schedule, desc, warnings, draft, model_path, len(prompts))
+    return schedule_results(cfg, records, choices, schedule, desc, warnings, draft, model_path, len(prompts))
