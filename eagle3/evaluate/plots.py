@@ -31,25 +31,12 @@ def plot_throughput(results: dict, path: Path) -> Path:
     if caps and min(caps) < max(xs):
         ax.axvline(min(caps), ls="--", color="grey", lw=1)
         ax.text(min(caps), ax.get_ylim()[1] * 0.95, f" cap {min(caps)}", color="grey", fontsize=8, va="top")
-    if len(xs) > 1 and min(xs) > 0:
-        ax.set_xscale("log", base=2)
-    ax.set_xticks(xs)
-    ax.set_xticklabels([str(x) for x in xs])
-    ax.set_xlabel("concurrent requests")
-    ax.set_ylabel("output tokens / s")
+    _concurrency_axes(ax, xs)
     spec = results["speculative"]
     engine = {"vllm": "vLLM"}.get(results.get("engine"), "SGLang")
     ax.set_title(f"{engine} throughput (EAGLE-3 {spec['num_steps']}/{spec['topk']}/{spec['num_draft_tokens']})")
     ax.margins(y=0.15)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    path = Path(path)
-    tmp = path.with_name(path.stem + ".tmp" + path.suffix)
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    os.replace(tmp, path)
-    return path
+    return _save(fig, ax, path)
 
 
 def plot_schedule(res: dict, path: Path) -> Path:
@@ -77,13 +64,25 @@ def plot_schedule(res: dict, path: Path) -> Path:
         ax.axvline(res["measured_crossover"], ls="--", color="tab:red", lw=1)
         ax.text(res["measured_crossover"], ax.get_ylim()[0], f" crossover {res['measured_crossover']}",
                 color="tab:red", fontsize=8, va="bottom")
-    if len(xs) > 1:
+    _concurrency_axes(ax, xs)
+    ax.set_title("vLLM throughput: off, static chains, schedule")
+    return _save(fig, ax, path)
+
+
+def _concurrency_axes(ax, xs: list[int]) -> None:
+    """Concurrency on a log2 axis (ticks at the measured points), tokens/s up."""
+    if len(xs) > 1 and min(xs) > 0:
         ax.set_xscale("log", base=2)
     ax.set_xticks(xs)
     ax.set_xticklabels([str(x) for x in xs])
     ax.set_xlabel("concurrent requests")
     ax.set_ylabel("output tokens / s")
-    ax.set_title("vLLM throughput: off, static chains, schedule")
+
+
+def _save(fig, ax, path: Path) -> Path:
+    """Grid, legend, tight layout; the PNG written atomically (a temporary file, then a rename)."""
+    import matplotlib.pyplot as plt
+
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
