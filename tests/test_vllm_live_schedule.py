@@ -19,17 +19,8 @@ import os
 
 import pytest
 
-from eagle3.engines.vllm.launch import cpu_flags
-
 from test_vllm_live import COMMON, OVERFIT_PROMPTS, PORT, PY, _compose, _overfit_drafter
-
-_FLAGS = cpu_flags()
-pytestmark = [
-    pytest.mark.live,
-    pytest.mark.skipif(not PY, reason="set EAGLE3_VLLM_PYTHON to vLLM's python to run live vLLM tests"),
-    pytest.mark.skipif(_FLAGS is not None and "avx512f" not in _FLAGS,
-                       reason="this CPU has no AVX-512: vLLM's CPU INT4 kernel (cpu_gemm_wna16) is not in its AVX2 build"),
-]
+from test_vllm_live import pytestmark  # noqa: F401  (the same live mark and skips)
 
 
 def test_a_derived_schedule_is_served_and_measured(tmp_path):
